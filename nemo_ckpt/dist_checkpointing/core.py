@@ -1,0 +1,60 @@
+"""Checkpoint-level metadata: ``metadata.json`` and the base exception."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+CONFIG_FNAME = "metadata.json"
+
+
+class CheckpointingException(Exception):
+    """Base checkpointing related exception."""
+
+
+@dataclass
+class CheckpointingConfig:
+    """Backends (and their format versions) a checkpoint was written with."""
+
+    sharded_backend: str
+    sharded_backend_version: int = 1
+    common_backend: str = "torch"
+    common_backend_version: int = 1
+
+
+def check_is_distributed_checkpoint(checkpoint_dir: Union[str, Path]) -> bool:
+    """True if ``checkpoint_dir`` holds a valid ``metadata.json``."""
+    try:
+        return maybe_load_config(checkpoint_dir) is not None
+    except CheckpointingException:
+        return False
+
+
+def maybe_load_config(checkpoint_dir: Union[str, Path]) -> Optional[CheckpointingConfig]:
+    """The checkpoint config, or None when ``checkpoint_dir`` has no ``metadata.json``.
+
+    Raises CheckpointingException when the file exists but is not a valid config.
+    """
+    config_path = os.path.join(checkpoint_dir, CONFIG_FNAME)
+    if not os.path.isfile(config_path):
+        return None
+    try:
+        with open(config_path) as f:
+            config_dict = json.load(f)
+        known = {f.name for f in dataclasses.fields(CheckpointingConfig)}
+        return CheckpointingConfig(**{k: v for k, v in config_dict.items() if k in known})
+    except (ValueError, TypeError) as e:
+        raise CheckpointingException(f"{config_path} is not a valid checkpoint config: {e}") from e
+
+
+def save_config(config: CheckpointingConfig, checkpoint_dir: Union[str, Path]) -> None:
+    """Write ``metadata.json`` (atomically: a crash leaves either no file or a complete one)."""
+    config_path = os.path.join(checkpoint_dir, CONFIG_FNAME)
+    tmp_path = config_path + ".tmp"
+    with open(tmp_path, "w") as f:
+        json.dump(dataclasses.asdict(config), f)
+    os.replace(tmp_path, config_path)

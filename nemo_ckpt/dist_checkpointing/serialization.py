@@ -1,0 +1,257 @@
+"""Entry points: ``save`` and ``load`` (replacements for torch.save/torch.load) and
+metadata-only readers.
+
+``load`` needs a sharded state dict as a template: its ShardedTensors say which parts of
+which global tensors each rank wants.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from .core import CheckpointingConfig, CheckpointingException, save_config, CONFIG_FNAME
+from .dict_utils import extract_matching_values, merge
+from .mapping import (
+    CommonStateDict,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    StateDict,
+    apply_factory_merges,
+)
+from .state_dict_utils import load_preprocess, save_preprocess
+from .strategies.base import (
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    get_default_strategy,
+)
+from .strategies.torch import COMMON_STATE_KEY
+from .utils import extract_sharded_base
+from .validation import (
+    StrictHandling,
+    determine_global_metadata,
+    parse_strict_flag,
+    validate_integrity_and_strict_load,
+    validate_sharded_objects_handling,
+    verify_checkpoint_and_load_strategy,
+)
+
+logger = logging.getLogger(__name__)
+
+CkptShardedMetadata = dict[str, Union[ShardedTensor, ShardedObject]]
+_CONTENT_METADATA_KEY = "content_metadata"
+
+
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if _dist_ready() else 0
+
+
+def _barrier() -> None:
+    if _dist_ready():
+        torch.distributed.barrier()
+
+
+def _with_unsafe_pickle(strategy: Any, allow_unsafe_pickle: bool) -> Any:
+    """A copy of ``strategy`` that may unpickle anything, if asked and supported."""
+    if allow_unsafe_pickle and hasattr(strategy, "allow_unsafe_pickle"):
+        strategy = copy.copy(strategy)
+        strategy.allow_unsafe_pickle = True
+    return strategy
+
+
+def load(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: Union[str, Path],
+    sharded_strategy: Union[LoadShardedStrategy, tuple[str, int], None] = None,
+    common_strategy: Union[LoadCommonStrategy, tuple[str, int], None] = None,
+    validate_access_integrity: bool = True,
+    strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+    allow_unsafe_pickle: bool = False,
+) -> Union[StateDict, tuple[StateDict, set[str], set[str]]]:
+    """Load the parts of a checkpoint described by ``sharded_state_dict``.
+
+    Steps: load the common state (base of the result); apply factories; add unwrapped
+    LocalNonpersistentObjects; load ShardedObjects and ShardedTensors; undo factories.
+
+    Args:
+        sharded_state_dict: template with ShardedTensors (data is loaded into their
+            ``data`` when given) and other sharded entities.
+        checkpoint_dir: checkpoint directory.
+        sharded_strategy: load strategy or (backend, version); default from metadata.json.
+        common_strategy: common load strategy or (backend, version); default from metadata.json.
+        validate_access_integrity: check (collectively) that main replicas tile every tensor.
+        strict: a :class:`StrictHandling` value (or its string) for key mismatches.
+        allow_unsafe_pickle: unpickle common data and ShardedObjects without the
+            allow-list. Only for trusted checkpoints.
+
+    Returns:
+        The state dict, or ``(state_dict, missing_keys, unexpected_keys)`` for
+        ``return_unexpected``/``return_all``.
+    """
+    sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy, common_strategy)
+    sharded_strategy = _with_unsafe_pickle(sharded_strategy, allow_unsafe_pickle)
+    common_strategy = _with_unsafe_pickle(common_strategy, allow_unsafe_pickle)
+    checkpoint_dir = Path(checkpoint_dir)
+
+    common_state_dict = common_strategy.load_common(checkpoint_dir)
+    sharded_state_dict, nonpersistent_state_dict, sh_ten_factories = load_preprocess(sharded_state_dict)
+    merge(common_state_dict, nonpersistent_state_dict)
+    sharded_state_dict, _ = extract_sharded_base(sharded_state_dict)
+
+    strict = parse_strict_flag(strict)
+    ckpt_sharded_metadata = None
+    if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
+        ckpt_sharded_metadata = load_sharded_metadata(checkpoint_dir, sharded_strategy, common_strategy)
+        ckpt_sharded_metadata = {k: v for k, v in ckpt_sharded_metadata.items() if v.key != COMMON_STATE_KEY}
+    local_metadata, global_metadata = None, None
+    if validate_access_integrity or StrictHandling.requires_global_app_metadata(strict):
+        local_metadata, global_metadata = determine_global_metadata(sharded_state_dict)
+    sharded_state_dict, missing_keys, unexpected_keys = validate_integrity_and_strict_load(
+        sharded_state_dict, strict, validate_access_integrity, local_metadata, global_metadata, ckpt_sharded_metadata
+    )
+
+    if not sharded_strategy.can_handle_sharded_objects:
+        validate_sharded_objects_handling(sharded_strategy, common_strategy)
+        sharded_objects, sharded_state_dict = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedObject))
+        merge(common_state_dict, common_strategy.load_sharded_objects(sharded_objects, checkpoint_dir))
+
+    loaded_state_dict = sharded_strategy.load(sharded_state_dict, checkpoint_dir)
+    merge(common_state_dict, loaded_state_dict)
+    apply_factory_merges(common_state_dict, sh_ten_factories)
+
+    if StrictHandling.requires_returning_mismatch_keys(strict):
+        return common_state_dict, missing_keys, unexpected_keys
+    return common_state_dict
+
+
+def load_common_state_dict(checkpoint_dir: Union[str, Path], allow_unsafe_pickle: bool = False) -> StateDict:
+    """Only the common (non-sharded) state dict of a checkpoint: no tensor data is read."""
+    _, common_strategy = verify_checkpoint_and_load_strategy(checkpoint_dir)
+    return _with_unsafe_pickle(common_strategy, allow_unsafe_pickle).load_common(Path(checkpoint_dir))
+
+
+def load_tensors_metadata(
+    checkpoint_dir: Union[str, Path], sharded_strategy: Union[LoadShardedStrategy, None] = None
+) -> CkptShardedMetadata:
+    """``{key: ShardedTensor without data}`` for every stored tensor, each as one shard of
+    its full global shape (useful to learn shapes and dtypes, or to load whole tensors)."""
+    sharded_strategy, _ = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
+    return sharded_strategy.load_tensors_metadata(Path(checkpoint_dir))
+
+
+def load_sharded_metadata(
+    checkpoint_dir: Union[str, Path],
+    sharded_strategy: Union[LoadShardedStrategy, None] = None,
+    common_strategy: Union[LoadCommonStrategy, None] = None,
+) -> CkptShardedMetadata:
+    """Like :func:`load_tensors_metadata` plus ShardedObjects (keyed by unique key)."""
+    sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy, common_strategy)
+    sharded_metadata = sharded_strategy.load_sharded_metadata(Path(checkpoint_dir))
+    if not sharded_strategy.can_handle_sharded_objects:
+        validate_sharded_objects_handling(sharded_strategy, common_strategy)
+        sharded_metadata.update(common_strategy.load_sharded_metadata(Path(checkpoint_dir)))
+    return sharded_metadata
+
+
+def load_plain_tensors(checkpoint_dir: Union[str, Path]) -> StateDict:
+    """Every stored tensor, whole, keyed by its checkpoint key (common state not included)."""
+    sharded_state_dict = load_tensors_metadata(checkpoint_dir)
+    # every rank reads whole tensors, so shards overlap on purpose
+    loaded = load(sharded_state_dict, checkpoint_dir, validate_access_integrity=False)
+    return {k: v for k, v in loaded.items() if k in sharded_state_dict}
+
+
+def load_content_metadata(
+    checkpoint_dir: Union[str, Path, None] = None, *, preloaded_state_dict: Optional[StateDict] = None
+) -> Optional[dict]:
+    """The ``content_metadata`` given to :func:`save`, or None if there is none."""
+    if preloaded_state_dict is None:
+        if checkpoint_dir is None:
+            raise ValueError("Both checkpoint_dir and preloaded_state_dict cannot be None")
+        preloaded_state_dict = load_common_state_dict(checkpoint_dir)
+    return preloaded_state_dict.get(_CONTENT_METADATA_KEY)
+
+
+def save(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: Union[str, Path],
+    sharded_strategy: Union[SaveShardedStrategy, tuple[str, int], None] = None,
+    common_strategy: Union[SaveCommonStrategy, tuple[str, int], None] = None,
+    validate_access_integrity: bool = True,
+    preprocess_common_before_consistancy_check: Optional[Callable[[CommonStateDict], StateDict]] = None,
+    content_metadata: Optional[dict] = None,
+) -> None:
+    """Save a sharded state dict (collective: every rank calls it with its shards).
+
+    Steps: apply factories; drop LocalNonpersistentObjects; validate the sharding across
+    ranks (before anything is written); rank 0 saves the common part (``common.pt`` and,
+    for Megatron-Core >= 0.19 readers, a ``common_state`` ShardedObject); save
+    ShardedObjects and ShardedTensors; finally rank 0 writes ``metadata.json``, so an
+    interrupted save never looks like a checkpoint.
+
+    Args:
+        sharded_state_dict: state dict with ShardedTensors etc. Modified in place
+            (factories applied, ``content_metadata`` added).
+        checkpoint_dir: existing directory to save into.
+        sharded_strategy: save strategy or (backend, version); default ('torch_dist', 1).
+        common_strategy: common save strategy or (backend, version); default ('torch', 1).
+        validate_access_integrity: validate the sharding across ranks (collective).
+        preprocess_common_before_consistancy_check: maps the common state dict before the
+            cross-rank consistency check (e.g. to drop keys expected to differ).
+        content_metadata: application metadata, read back with :func:`load_content_metadata`.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise CheckpointingException(f"Checkpoint directory {checkpoint_dir} does not exist")
+    if sharded_strategy is None:
+        sharded_strategy = ("torch_dist", 1)
+    if isinstance(sharded_strategy, tuple):
+        sharded_strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, *sharded_strategy)
+    if common_strategy is None:
+        common_strategy = ("torch", 1)
+    if isinstance(common_strategy, tuple):
+        common_strategy = get_default_strategy(StrategyAction.SAVE_COMMON, *common_strategy)
+
+    if content_metadata is not None:
+        sharded_state_dict[_CONTENT_METADATA_KEY] = content_metadata
+    sharded_state_dict, common_state_dict = save_preprocess(
+        sharded_state_dict, validate_access_integrity, preprocess_common_before_consistancy_check
+    )
+
+    if _rank() == 0:
+        _remove_stale_config(checkpoint_dir)
+    _barrier()
+    common_strategy.save_common(common_state_dict, checkpoint_dir)
+    if sharded_strategy.can_handle_sharded_objects:
+        sharded_state_dict[COMMON_STATE_KEY] = ShardedObject(COMMON_STATE_KEY, common_state_dict, (1,), (0,), replica_id=_rank())
+    else:
+        validate_sharded_objects_handling(sharded_strategy, common_strategy)
+        sharded_objects, sharded_state_dict = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedObject))
+        common_strategy.save_sharded_objects(sharded_objects, checkpoint_dir)
+    sharded_strategy.save(sharded_state_dict, checkpoint_dir)
+    _barrier()
+    if _rank() == 0:
+        config = CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version)
+        save_config(config, checkpoint_dir)
+    _barrier()
+
+
+def _remove_stale_config(checkpoint_dir: Path) -> None:
+    """Remove an old metadata.json so a failed overwrite is not mistaken for a checkpoint."""
+    config_path = checkpoint_dir / CONFIG_FNAME
+    if config_path.exists():
+        logger.warning("Overwriting checkpoint %s", checkpoint_dir)
+        os.remove(config_path)

@@ -1,0 +1,101 @@
+"""The ``torch`` common backend: rank 0's common state dict in ``common.pt``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..core import CheckpointingException
+from ..dict_utils import dict_list_map_outplace, nested_values
+from ..mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
+from ..safe_globals import safe_torch_load
+from .base import LoadCommonStrategy, SaveCommonStrategy, StrategyAction, register_default_strategy
+
+COMMON_STATE_FNAME = "common.pt"
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class TorchCommonSaveStrategy(SaveCommonStrategy):
+    """Rank 0 writes the common state dict to ``common.pt``; ShardedObjects (if this
+    strategy handles them) go to ``<key>/shard_<offsets>_<shape>.pt``."""
+
+    def __init__(self, backend: str = "torch", version: int = 1) -> None:
+        super().__init__(backend, version)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: Path) -> None:
+        if _rank() == 0:
+            torch.save(common_state_dict, os.path.join(checkpoint_dir, COMMON_STATE_FNAME))
+
+    def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+        for sh_obj in nested_values(sharded_objects_state_dict):
+            if is_main_replica(sh_obj.replica_id):
+                path = os.path.join(checkpoint_dir, sh_obj.unique_key + ".pt")
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                torch.save(sh_obj.data, path)
+
+
+class TorchCommonLoadStrategy(LoadCommonStrategy):
+    """Reads ``common.pt`` (or, for checkpoints without it, the ``common_state`` object that
+    Megatron-Core >= 0.19 stores in the torch_dist data) with the safe unpickler."""
+
+    def __init__(self, allow_unsafe_pickle: bool = False) -> None:
+        self.allow_unsafe_pickle = allow_unsafe_pickle
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        if loaded_backend != "torch":
+            raise CheckpointingException(f"{self.__class__.__name__} cannot load common backend '{loaded_backend}'")
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        if loaded_version != 1:
+            raise CheckpointingException(f"{self.__class__.__name__} cannot load torch version {loaded_version}")
+
+    def load_common(self, checkpoint_dir: Path) -> StateDict:
+        path = os.path.join(checkpoint_dir, COMMON_STATE_FNAME)
+        if os.path.isfile(path):
+            return safe_torch_load(path, f"common state file {path}", self.allow_unsafe_pickle)
+        from .torch import load_common_state_object  # torch_dist stores it as an object
+
+        try:
+            return load_common_state_object(Path(checkpoint_dir), self.allow_unsafe_pickle)
+        except CheckpointingException as e:
+            raise CheckpointingException(
+                f"No common state in {checkpoint_dir}: {COMMON_STATE_FNAME} is missing ({e})"
+            ) from e
+
+    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
+        def load_one(sh_obj: Any) -> Any:
+            path = os.path.join(checkpoint_dir, sh_obj.unique_key + ".pt")
+            if not os.path.isfile(path):
+                raise CheckpointingException(f"ShardedObject '{sh_obj.unique_key}' file {path} does not exist")
+            return safe_torch_load(path, f"ShardedObject '{sh_obj.unique_key}' ({path})", self.allow_unsafe_pickle)
+
+        return dict_list_map_outplace(load_one, sharded_objects_state_dict)
+
+    def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+        sharded_metadata: ShardedStateDict = {}
+        for dirpath, _, filenames in os.walk(checkpoint_dir):
+            for name in filenames:
+                if name.startswith("shard_") and name.endswith(".pt"):
+                    rel_key = os.path.relpath(os.path.join(dirpath, name[: -len(".pt")]), checkpoint_dir)
+                    sh_obj = ShardedObject.empty_from_unique_key(rel_key)
+                    sharded_metadata[sh_obj.unique_key] = sh_obj
+        return sharded_metadata
+
+
+register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1, TorchCommonLoadStrategy())
+register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, TorchCommonSaveStrategy("torch", 1))

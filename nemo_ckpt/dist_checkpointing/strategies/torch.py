@@ -1,0 +1,482 @@
+"""The ``torch_dist`` backend: shards stored with torch.distributed.checkpoint (DCP).
+
+On disk (compatible with Megatron-Core): every ShardedTensor key is a DCP tensor with the
+real global shape, each saved shard one DCP chunk; a flat shard (``flattened_range``) is
+stored as the few rectangular boxes its flat range covers, so it reshards to any
+layout. Every ShardedObject is a DCP bytes item named by its ``unique_key`` holding
+``torch.save([obj])``.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from ..core import CheckpointingException
+from ..dict_utils import dict_list_map_outplace, nested_values
+from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from ..safe_globals import DCPMetadataUnpickler, UnsafeCheckpointError, safe_torch_load
+from .base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction, register_default_strategy
+
+DCP_METADATA_FNAME = ".metadata"
+
+
+@dataclass
+class _Chunk:
+    """A box of a global tensor held by a local tensor view of shape ``sizes``."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    tensor: torch.Tensor
+
+
+def _flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Split the flat range [start, stop) of a row-major ``shape`` into (offset, size) boxes.
+
+    The boxes come in flat order and each is contiguous in flat order, so box ``i`` is
+    the next ``prod(size_i)`` elements of the flat range.
+    """
+    if start >= stop:
+        return []
+    if len(shape) == 1:
+        return [((start,), (stop - start,))]
+    inner = math.prod(shape[1:])
+    first, first_rem = divmod(start, inner)
+    last, last_rem = divmod(stop, inner)
+
+    def in_row(row: int, lo: int, hi: int) -> list:
+        return [((row,) + o, (1,) + s) for o, s in _flat_range_boxes(shape[1:], lo, hi)]
+
+    if first == last:
+        return in_row(first, first_rem, last_rem)
+    boxes = []
+    if first_rem:
+        boxes += in_row(first, first_rem, inner)
+        first += 1
+    if last > first:
+        boxes.append(((first,) + (0,) * (len(shape) - 1), (last - first,) + tuple(shape[1:])))
+    if last_rem:
+        boxes += in_row(last, 0, last_rem)
+    return boxes
+
+
+def sharded_tensor_chunks(sh_ten: ShardedTensor) -> list[_Chunk]:
+    """The global-tensor boxes covered by ``sh_ten``, each with a view into ``sh_ten.data``."""
+    data = sh_ten.data
+    prepend = sh_ten.prepend_axis_num
+    if sh_ten.flattened_range is None:
+        view = data[(None,) * prepend] if prepend else data
+        return [_Chunk(sh_ten.global_offset, (1,) * prepend + sh_ten.local_shape, view)]
+    chunks, pos = [], 0
+    rng = sh_ten.flattened_range
+    for box_offset, box_size in _flat_range_boxes(sh_ten.local_shape, rng.start, rng.stop):
+        numel = math.prod(box_size)
+        view = data[pos : pos + numel].view((1,) * prepend + box_size)
+        offsets = sh_ten.global_offset[:prepend] + tuple(
+            g + o for g, o in zip(sh_ten.global_offset[prepend:], box_offset)
+        )
+        chunks.append(_Chunk(offsets, (1,) * prepend + box_size, view))
+        pos += numel
+    return chunks
+
+
+def _serialize_objects(objs: list[Any]) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(objs, buf)
+    buf.seek(0)
+    return buf
+
+
+class _ChunkSavePlanner(DefaultSavePlanner):
+    """Saves precomputed write items; DCP's default global planning builds the metadata."""
+
+    def __init__(self, items: list[WriteItem], data: dict[MetadataIndex, Union[torch.Tensor, io.BytesIO]]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._items = items
+        self._data = data
+
+    def set_up_planner(self, state_dict: Any, storage_meta: Optional[StorageMeta] = None, is_coordinator: bool = False) -> None:
+        self.state_dict = {}
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan(self._items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> Union[torch.Tensor, io.BytesIO]:
+        obj = self._data[write_item.index]
+        if isinstance(obj, io.BytesIO):
+            obj.seek(0)
+        return obj
+
+
+def build_write_items(
+    sharded_state_dict: ShardedStateDict,
+) -> tuple[list[WriteItem], dict[MetadataIndex, Union[torch.Tensor, io.BytesIO]]]:
+    """DCP write items (and their data) for the main replicas in ``sharded_state_dict``."""
+    items: list[WriteItem] = []
+    data: dict[MetadataIndex, Union[torch.Tensor, io.BytesIO]] = {}
+    objects: dict[str, list[Any]] = defaultdict(list)
+    for sh_base in nested_values(sharded_state_dict):
+        if not is_main_replica(sh_base.replica_id):
+            continue
+        if isinstance(sh_base, ShardedObject):
+            objects[sh_base.unique_key].append(sh_base.data)
+            continue
+        if not isinstance(sh_base, ShardedTensor):
+            raise CheckpointingException(f"Unexpected entity to save: {type(sh_base)}")
+        if sh_base.data is None:
+            raise CheckpointingException(f"`data` is None for {sh_base}; nothing to save")
+        chunks = sharded_tensor_chunks(sh_base)
+        empty_tensor = math.prod(sh_base.global_shape) == 0
+        for chunk in chunks:
+            if math.prod(chunk.sizes) == 0 and not empty_tensor:
+                continue
+            index = MetadataIndex(sh_base.key, chunk.offsets)
+            tensor = chunk.tensor.detach()
+            items.append(
+                WriteItem(
+                    index=index,
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes)),
+                        properties=TensorProperties(dtype=sh_base.dtype),
+                        size=torch.Size(sh_base.global_shape),
+                    ),
+                )
+            )
+            data[index] = tensor if tensor.is_contiguous() else tensor.contiguous()
+    for unique_key, objs in objects.items():
+        index = MetadataIndex(unique_key)
+        items.append(WriteItem(index=index, type=WriteItemType.BYTE_IO))
+        data[index] = _serialize_objects(objs)
+    return items, data
+
+
+class TorchDistSaveShardedStrategy(SaveShardedStrategy):
+    """Saves ShardedTensors and ShardedObjects with torch.distributed.checkpoint.
+
+    Collective: every rank must call :meth:`save` with its own shards.
+
+    Args:
+        backend: format name recorded in metadata.json.
+        version: format version recorded in metadata.json.
+        thread_count: writer threads per rank (files per rank).
+    """
+
+    def __init__(self, backend: str = "torch_dist", version: int = 1, thread_count: int = 1) -> None:
+        super().__init__(backend, version)
+        self.thread_count = thread_count
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+        items, data = build_write_items(sharded_state_dict)
+        writer = FileSystemWriter(checkpoint_dir, thread_count=self.thread_count)
+        dcp.save({}, storage_writer=writer, planner=_ChunkSavePlanner(items, data))
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader that reads ``.metadata`` with a restricted unpickler (once) and
+    reports a missing or corrupt file clearly."""
+
+    def __init__(self, path: Union[str, os.PathLike], allow_unsafe_pickle: bool = False) -> None:
+        super().__init__(path)
+        self.allow_unsafe_pickle = allow_unsafe_pickle
+        self._metadata: Optional[Metadata] = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is not None:
+            return self._metadata
+        path = os.path.join(self.path, DCP_METADATA_FNAME)
+        if not os.path.isfile(path):
+            raise CheckpointingException(
+                f"{path} is missing: {self.path} is not a complete torch_dist checkpoint"
+            )
+        try:
+            with open(path, "rb") as f:
+                if self.allow_unsafe_pickle:
+                    metadata = pickle.load(f)
+                else:
+                    metadata = DCPMetadataUnpickler(f).load()
+        except pickle.UnpicklingError as e:
+            if "is not allowed" in str(e):
+                raise UnsafeCheckpointError(
+                    f"Refused to read {path}: {e}. If you trust this checkpoint, pass allow_unsafe_pickle=True."
+                ) from e
+            raise CheckpointingException(f"{path} is corrupt: {e}") from e
+        except (EOFError, ValueError, AttributeError, TypeError) as e:
+            raise CheckpointingException(f"{path} is corrupt: {e!r}") from e
+        if not isinstance(metadata, Metadata):
+            raise CheckpointingException(f"{path} does not hold DCP metadata (got {type(metadata)})")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        self._metadata = metadata
+        return metadata
+
+
+class _ChunkLoadPlanner(DefaultLoadPlanner):
+    """Loads precomputed read items into local chunk views and ShardedObject slots."""
+
+    def __init__(self, items: list[ReadItem], chunks: dict[str, list[_Chunk]], checkpoint_dir: Path, allow_unsafe_pickle: bool) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._items = items
+        self._chunks = chunks
+        self._checkpoint_dir = checkpoint_dir
+        self._allow_unsafe_pickle = allow_unsafe_pickle
+        self.loaded_objects: dict[str, Any] = {}
+
+    def set_up_planner(self, state_dict: Any, metadata: Optional[Metadata] = None, is_coordinator: bool = False) -> None:
+        self.state_dict = {}
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        return LoadPlan(self._items)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        chunk = self._chunks[read_item.dest_index.fqn][read_item.dest_index.index]
+        view = chunk.tensor
+        for dim, (off, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            view = view.narrow(dim, off, length)
+        return view
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        """Data was copied into a view of the destination: nothing to do."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        key = read_item.dest_index.fqn
+        where = f"ShardedObject '{key}' in {self._checkpoint_dir}"
+        objs = safe_torch_load(value, where, self._allow_unsafe_pickle)
+        self.loaded_objects[key] = objs[0] if isinstance(objs, list) and objs else objs
+
+
+def _check_storage_files(read_items: list[ReadItem], metadata: Metadata, checkpoint_dir: Path) -> None:
+    """Raise a clear error if a file the plan reads from is missing or too short."""
+    needed: dict[str, tuple[int, str]] = {}
+    for item in read_items:
+        info = metadata.storage_data[item.storage_index]
+        end = info.offset + info.length
+        if end > needed.get(info.relative_path, (0, ""))[0]:
+            needed[info.relative_path] = (end, item.storage_index.fqn)
+    for rel_path, (end, key) in needed.items():
+        path = os.path.join(checkpoint_dir, rel_path)
+        if not os.path.isfile(path):
+            raise CheckpointingException(f"Checkpoint file {path} is missing (needed for key '{key}')")
+        size = os.path.getsize(path)
+        if size < end:
+            raise CheckpointingException(
+                f"Checkpoint file {path} is truncated: {size} bytes, but key '{key}' needs {end}"
+            )
+
+
+def _describe_keys(keys: Any, limit: int = 20) -> str:
+    keys = sorted(keys)
+    more = f" ... (+{len(keys) - limit} more)" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+class TorchDistLoadShardedStrategy(LoadShardedStrategy):
+    """Loads ShardedTensors and ShardedObjects from a torch_dist checkpoint.
+
+    Each rank reads only what its shards need, without collectives.
+
+    Args:
+        allow_unsafe_pickle: unpickle ShardedObjects and ``.metadata`` without the
+            allow-list. Only for trusted checkpoints.
+    """
+
+    def __init__(self, allow_unsafe_pickle: bool = False) -> None:
+        self.allow_unsafe_pickle = allow_unsafe_pickle
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        if loaded_backend != "torch_dist":
+            raise CheckpointingException(f"{self.__class__.__name__} cannot load backend '{loaded_backend}'")
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        if loaded_version != 1:
+            raise CheckpointingException(f"{self.__class__.__name__} cannot load torch_dist version {loaded_version}")
+
+    def _reader(self, checkpoint_dir: Path) -> SafeFileSystemReader:
+        return SafeFileSystemReader(checkpoint_dir, self.allow_unsafe_pickle)
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
+        reader = self._reader(checkpoint_dir)
+        metadata = reader.read_metadata()
+        chunks: dict[str, list[_Chunk]] = defaultdict(list)
+        objects: dict[str, list[ShardedObject]] = defaultdict(list)
+        by_key: dict[str, ShardedTensor] = {}
+        for sh_base in nested_values(sharded_state_dict):
+            if isinstance(sh_base, ShardedObject):
+                objects[sh_base.unique_key].append(sh_base)
+            elif isinstance(sh_base, ShardedTensor):
+                _prepare_for_load(sh_base)
+                chunks[sh_base.key] += sharded_tensor_chunks(sh_base)
+                by_key.setdefault(sh_base.key, sh_base)
+            else:
+                raise CheckpointingException(f"Unexpected entity to load: {type(sh_base)}")
+
+        items: list[ReadItem] = []
+        for key, key_chunks in chunks.items():
+            items += _tensor_read_items(key, key_chunks, by_key[key], metadata, checkpoint_dir)
+        for unique_key in objects:
+            md = metadata.state_dict_metadata.get(unique_key)
+            if not isinstance(md, BytesStorageMetadata):
+                raise CheckpointingException(
+                    f"ShardedObject '{unique_key}' not found in checkpoint {checkpoint_dir}"
+                )
+            index = MetadataIndex(unique_key)
+            zero = torch.Size([0])
+            items.append(ReadItem(LoadItemType.BYTE_IO, index, zero, index, zero, zero))
+        _check_storage_files(items, metadata, checkpoint_dir)
+
+        planner = _ChunkLoadPlanner(items, chunks, checkpoint_dir, self.allow_unsafe_pickle)
+        _dcp_load(reader, planner, checkpoint_dir)
+
+        def unwrap(x: Any) -> Any:
+            if isinstance(x, ShardedTensor):
+                return x.data
+            if isinstance(x, ShardedObject):
+                return planner.loaded_objects[x.unique_key]
+            return x
+
+        return dict_list_map_outplace(unwrap, sharded_state_dict)
+
+    def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+        metadata = self._reader(checkpoint_dir).read_metadata()
+        return {
+            key: ShardedTensor.from_rank_offsets(
+                key, torch.empty(md.size, dtype=md.properties.dtype, device="meta")
+            ).without_data()
+            for key, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)
+        }
+
+    def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+        metadata = self._reader(checkpoint_dir).read_metadata()
+        sharded_metadata: ShardedStateDict = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if isinstance(md, BytesStorageMetadata):
+                sh_obj = ShardedObject.empty_from_unique_key(key)
+                sharded_metadata[sh_obj.unique_key] = sh_obj
+        sharded_metadata.update(self.load_tensors_metadata(checkpoint_dir))
+        return sharded_metadata
+
+
+def _prepare_for_load(sh_ten: ShardedTensor) -> None:
+    """Allocate missing data; zero it where the checkpoint may not cover everything."""
+    if sh_ten.data is None:
+        sh_ten.init_data("cpu", init_fn=torch.zeros if sh_ten.allow_shape_mismatch else torch.empty)
+    else:
+        sh_ten.data = sh_ten.data.detach()
+        if sh_ten.allow_shape_mismatch:
+            sh_ten.data.zero_()
+
+
+def _tensor_read_items(
+    key: str, chunks: list[_Chunk], sh_ten: ShardedTensor, metadata: Metadata, checkpoint_dir: Path
+) -> list[ReadItem]:
+    md = metadata.state_dict_metadata.get(key)
+    if md is None:
+        raise CheckpointingException(
+            f"Key '{key}' not found in checkpoint {checkpoint_dir}. "
+            f"Stored tensor keys: {_describe_keys(k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata))}"
+        )
+    if not isinstance(md, TensorStorageMetadata):
+        raise CheckpointingException(f"Key '{key}' in checkpoint {checkpoint_dir} is an object, not a tensor")
+    if tuple(md.size) != sh_ten.global_shape and not sh_ten.allow_shape_mismatch:
+        raise CheckpointingException(
+            f"Global shape mismatch for key '{key}' in checkpoint {checkpoint_dir}: "
+            f"stored {tuple(md.size)}, requested {sh_ten.global_shape}"
+        )
+    if md.properties.dtype != sh_ten.dtype:
+        raise CheckpointingException(
+            f"Dtype mismatch for key '{key}' in checkpoint {checkpoint_dir}: "
+            f"stored {md.properties.dtype}, requested {sh_ten.dtype}"
+        )
+    local = [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in chunks]
+    items = create_read_items_for_chunk_list(key, md, local)
+    if not sh_ten.allow_shape_mismatch:
+        covered = defaultdict(int)
+        for item in items:
+            covered[item.dest_index.index] += math.prod(item.lengths)
+        for i, chunk in enumerate(chunks):
+            if covered[i] < math.prod(chunk.sizes):
+                raise CheckpointingException(
+                    f"Checkpoint {checkpoint_dir} does not hold all of key '{key}' at offsets "
+                    f"{chunk.offsets} size {chunk.sizes} (stored chunks do not cover it)"
+                )
+    return items
+
+
+def _dcp_load(reader: SafeFileSystemReader, planner: _ChunkLoadPlanner, checkpoint_dir: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        try:
+            dcp.load({}, storage_reader=reader, planner=planner, no_dist=True)
+        except CheckpointingException:
+            raise
+        except Exception as e:  # DCP wraps per-rank failures; surface the cause with the path
+            cause = _unwrap_dcp_error(e)
+            if isinstance(cause, CheckpointingException):
+                raise cause from e
+            raise CheckpointingException(f"Failed to read checkpoint {checkpoint_dir}: {cause!r}") from e
+
+
+def _unwrap_dcp_error(e: Exception) -> BaseException:
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        wrapped = next(iter(failures.values()))
+        return getattr(wrapped, "exc", wrapped)
+    return e
+
+
+def load_common_state_object(checkpoint_dir: Path, allow_unsafe_pickle: bool = False) -> Any:
+    """Read the ``common_state`` ShardedObject (Megatron-Core >= 0.19 stores common data there)."""
+    strategy = TorchDistLoadShardedStrategy(allow_unsafe_pickle)
+    sh_obj = ShardedObject(COMMON_STATE_KEY, None, (1,), (0,))
+    return strategy.load({"common": sh_obj}, checkpoint_dir)["common"]
+
+
+COMMON_STATE_KEY = "common_state"
+
+register_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1, TorchDistLoadShardedStrategy())
+register_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1, TorchDistSaveShardedStrategy("torch_dist", 1))

@@ -1,0 +1,85 @@
+"""Helpers to split sharded state dicts by entity type and to rename sharded keys."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .dict_utils import dict_list_map_inplace, extract_matching_values
+from .mapping import (
+    LocalNonpersistentObject,
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+    StateDict,
+)
+
+
+def extract_sharded_tensors(sharded_state_dict: ShardedStateDict) -> tuple[ShardedStateDict, StateDict]:
+    """(ShardedTensors, everything else), keeping the hierarchy."""
+    return extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedTensor))
+
+
+def extract_sharded_tensors_and_factories(sharded_state_dict: ShardedStateDict) -> tuple[ShardedStateDict, StateDict]:
+    """(ShardedTensors and ShardedTensorFactories, everything else)."""
+    return extract_matching_values(sharded_state_dict, lambda v: isinstance(v, (ShardedTensor, ShardedTensorFactory)))
+
+
+def extract_sharded_tensors_or_nonpersistent(sharded_state_dict: ShardedStateDict) -> tuple[ShardedStateDict, StateDict]:
+    """(ShardedTensors, factories and LocalNonpersistentObjects, everything else)."""
+    return extract_matching_values(
+        sharded_state_dict,
+        lambda v: isinstance(v, (ShardedTensor, LocalNonpersistentObject, ShardedTensorFactory)),
+    )
+
+
+def extract_sharded_base(sharded_state_dict: ShardedStateDict) -> tuple[ShardedStateDict, StateDict]:
+    """(ShardedBase objects, everything else)."""
+    return extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedBase))
+
+
+def extract_nonpersistent(sharded_state_dict: ShardedStateDict) -> tuple[ShardedStateDict, StateDict]:
+    """(LocalNonpersistentObjects, everything else)."""
+    return extract_matching_values(sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
+
+
+def add_prefix_for_sharding(sharded_state_dict: ShardedStateDict, prefix: str) -> None:
+    """Prepend ``prefix`` to the key of every ShardedBase, in place."""
+
+    def add_prefix(x: Any) -> Any:
+        if isinstance(x, ShardedBase):
+            x.key = f"{prefix}{x.key}"
+        return x
+
+    dict_list_map_inplace(add_prefix, sharded_state_dict)
+
+
+def replace_prefix_for_sharding(sharded_state_dict: ShardedStateDict, old_prefix: str, new_prefix: str) -> None:
+    """Replace ``old_prefix`` with ``new_prefix`` in every ShardedBase key, in place.
+
+    Raises ValueError if a key does not start with ``old_prefix``.
+    """
+
+    def replace_prefix(x: Any) -> Any:
+        if isinstance(x, (ShardedTensor, ShardedTensorFactory, ShardedObject)):
+            if not x.key.startswith(old_prefix):
+                raise ValueError(f"Expected {x.key} to begin with prefix {old_prefix}")
+            x.key = f"{new_prefix}{x.key[len(old_prefix):]}"
+        return x
+
+    dict_list_map_inplace(replace_prefix, sharded_state_dict)
+
+
+def apply_prefix_mapping(sharded_state_dict: ShardedStateDict, prefix_map: dict[str, str]) -> None:
+    """Replace the first matching prefix of every ShardedBase key per ``prefix_map``, in place."""
+
+    def replace_prefixes(x: Any) -> Any:
+        if isinstance(x, (ShardedTensor, ShardedTensorFactory, ShardedObject)):
+            for old_prefix, new_prefix in prefix_map.items():
+                if x.key.startswith(old_prefix):
+                    x.key = f"{new_prefix}{x.key[len(old_prefix):]}"
+                    break
+        return x
+
+    dict_list_map_inplace(replace_prefixes, sharded_state_dict)
