@@ -206,7 +206,9 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
         items, data = build_write_items(sharded_state_dict)
         writer = FileSystemWriter(checkpoint_dir, thread_count=self.thread_count)
-        dcp.save({}, storage_writer=writer, planner=_ChunkSavePlanner(items, data))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
+            dcp.save({}, storage_writer=writer, planner=_ChunkSavePlanner(items, data))
 
 
 class SafeFileSystemReader(FileSystemReader):
