@@ -1,0 +1,179 @@
+#!/usr/bin/env bash
+# A throwaway one-node Slurm cluster on this machine, for tests and CI.
+#
+#   cluster.sh install      apt-get Slurm 22.05 + munge if missing (needs root)
+#   cluster.sh start DIR    install, then run munged, slurmctld and slurmd with all
+#                           config/state/logs/pids in DIR; waits until the node is idle
+#                           and prints `export SLURM_CONF=DIR/slurm.conf` on stdout
+#   cluster.sh stop DIR     stop the daemons started from DIR, by PID
+#
+# Client commands (sbatch, srun, squeue, scontrol) find the cluster through SLURM_CONF;
+# eval the line `start` prints. No systemd, no accounting (sacct does not work).
+# Ports are picked free at first start, so several clusters can live side by side.
+set -euo pipefail
+export PATH="$PATH:/usr/sbin:/sbin"
+
+PACKAGES=(slurmctld slurmd slurm-client munge)
+START_TIMEOUT=${SLURM_START_TIMEOUT:-60}
+
+die() { echo "cluster.sh: $*" >&2; exit 1; }
+
+install_slurm() {
+    if command -v slurmctld >/dev/null && command -v slurmd >/dev/null \
+        && command -v sbatch >/dev/null && command -v munged >/dev/null; then
+        return 0
+    fi
+    [[ $(id -u) -eq 0 ]] || die "Slurm is not installed and installing it needs root"
+    command -v apt-get >/dev/null || die "Slurm is not installed and apt-get is missing"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get -o DPkg::Lock::Timeout=300 update -qq >&2
+    apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends "${PACKAGES[@]}" >&2
+}
+
+port_in_use() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+free_port_pair() {
+    local port
+    for _ in $(seq 50); do
+        port=$((20000 + RANDOM % 20000))
+        if ! port_in_use "$port" && ! port_in_use $((port + 1)); then
+            echo "$port"
+            return 0
+        fi
+    done
+    die "no free port pair found"
+}
+
+pid_alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+write_conf() {
+    local dir=$1 port=$2 host cpus mem_mb
+    host=$(hostname -s)
+    cpus=$(nproc)
+    mem_mb=$(awk '/^MemTotal:/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)
+    cat >"$dir/slurm.conf" <<EOF
+# Written by tests/slurm/cluster.sh
+ClusterName=nemockpt
+SlurmctldHost=$host(127.0.0.1)
+SlurmctldPort=$port
+SlurmdPort=$((port + 1))
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$dir/munge/munge.socket
+StateSaveLocation=$dir/state
+SlurmdSpoolDir=$dir/spool/slurmd.%n
+SlurmctldPidFile=$dir/slurmctld.pid
+SlurmdPidFile=$dir/slurmd.pid
+SlurmctldLogFile=$dir/log/slurmctld.log
+SlurmdLogFile=$dir/log/slurmd.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+SwitchType=switch/none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+ReturnToService=2
+EnforcePartLimits=ALL
+MinJobAge=600
+KillWait=10
+NodeName=localhost NodeHostname=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN
+PartitionName=debug Nodes=localhost Default=YES MaxTime=04:00:00 State=UP
+EOF
+}
+
+start_munge() {
+    local dir=$1
+    pid_alive "$dir/munge/munged.pid" && return 0
+    mkdir -p "$dir/munge"
+    chmod 0755 "$dir/munge"
+    if [[ ! -s $dir/munge/munge.key ]]; then
+        dd if=/dev/urandom of="$dir/munge/munge.key" bs=1024 count=1 status=none
+        chmod 0400 "$dir/munge/munge.key"
+    fi
+    munged --force --socket="$dir/munge/munge.socket" --key-file="$dir/munge/munge.key" \
+        --pid-file="$dir/munge/munged.pid" --log-file="$dir/log/munged.log" \
+        --seed-file="$dir/munge/munged.seed" </dev/null >>"$dir/log/munged.log" 2>&1 \
+        || die "munged failed: $(tail -n 20 "$dir/log/munged.log")"
+}
+
+wait_idle() {
+    local dir=$1 state=""
+    for _ in $(seq "$START_TIMEOUT"); do
+        state=$(sinfo --noheader --nodes=localhost --format=%t 2>/dev/null || true)
+        [[ $state == idle ]] && return 0
+        sleep 1
+    done
+    echo "cluster.sh: node not idle after ${START_TIMEOUT}s (state: '${state}')" >&2
+    for log in slurmctld slurmd munged; do
+        echo "--- $dir/log/$log.log (tail)" >&2
+        tail -n 20 "$dir/log/$log.log" >&2 2>/dev/null || true
+    done
+    exit 1
+}
+
+start() {
+    local dir
+    dir=$(realpath -m "$1")
+    install_slurm
+    mkdir -p "$dir"/{state,spool,log}
+    export SLURM_CONF=$dir/slurm.conf
+    if ! pid_alive "$dir/slurmctld.pid" || ! pid_alive "$dir/slurmd.pid"; then
+        stop "$dir" >/dev/null
+        write_conf "$dir" "$(free_port_pair)"
+        start_munge "$dir"
+        # -i: ignore job/node state left in DIR by an earlier run.
+        slurmctld -i -f "$SLURM_CONF" </dev/null >>"$dir/log/slurmctld.log" 2>&1 \
+            || die "slurmctld failed: $(tail -n 20 "$dir/log/slurmctld.log")"
+        slurmd -N localhost -f "$SLURM_CONF" </dev/null >>"$dir/log/slurmd.log" 2>&1 \
+            || die "slurmd failed: $(tail -n 20 "$dir/log/slurmd.log")"
+    fi
+    wait_idle "$dir"
+    echo "export SLURM_CONF=$SLURM_CONF"
+}
+
+stop_pidfile() {
+    local pidfile=$1 pid
+    pid_alive "$pidfile" || { rm -f "$pidfile"; return 0; }
+    pid=$(cat "$pidfile")
+    kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 50); do
+        kill -0 "$pid" 2>/dev/null || { rm -f "$pidfile"; return 0; }
+        sleep 0.2
+    done
+    kill -KILL "$pid" 2>/dev/null || true
+    rm -f "$pidfile"
+}
+
+stop() {
+    local dir
+    dir=$(realpath -m "$1")
+    if pid_alive "$dir/slurmctld.pid"; then
+        # Cancel leftover jobs so no job step outlives slurmd.
+        SLURM_CONF=$dir/slurm.conf timeout 10 scancel --full --partition=debug 2>/dev/null || true
+        for _ in $(seq 20); do
+            [[ -z $(SLURM_CONF=$dir/slurm.conf squeue --noheader --states=RUNNING,COMPLETING 2>/dev/null) ]] && break
+            sleep 0.5
+        done
+    fi
+    stop_pidfile "$dir/slurmd.pid" &
+    stop_pidfile "$dir/slurmctld.pid" &
+    wait
+    stop_pidfile "$dir/munge/munged.pid"
+    echo "stopped Slurm in $dir"
+}
+
+case "${1:-}" in
+    install) install_slurm ;;
+    start) [[ $# -eq 2 ]] || die "usage: cluster.sh start DIR"; start "$2" ;;
+    stop) [[ $# -eq 2 ]] || die "usage: cluster.sh stop DIR"; stop "$2" ;;
+    *) die "usage: cluster.sh install | start DIR | stop DIR" ;;
+esac

@@ -1,0 +1,31 @@
+"""A real one-node Slurm cluster for the tests in this directory (see cluster.sh)."""
+
+import os
+from typing import Iterator
+
+import pytest
+
+from tests.slurm.cluster import SlurmCluster, cluster_sh
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """Start munged/slurmctld/slurmd in a tmp dir (installing Slurm via apt if needed)."""
+    install = cluster_sh("install", timeout=900)
+    if install.returncode != 0:
+        pytest.skip(f"Slurm is not installed and cannot be installed: {install.stderr.strip()[-500:]}")
+    cluster_dir = tmp_path_factory.mktemp("slurm")
+    start = cluster_sh("start", str(cluster_dir), timeout=180)
+    conf = cluster_dir / "slurm.conf"
+    old_conf = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(conf)
+    try:
+        assert start.returncode == 0, f"cluster.sh start failed:\n{start.stdout}\n{start.stderr}"
+        assert start.stdout.strip().endswith(f"export SLURM_CONF={conf}")
+        yield SlurmCluster(dir=cluster_dir, conf=conf)
+    finally:
+        cluster_sh("stop", str(cluster_dir), timeout=120)
+        if old_conf is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old_conf
