@@ -11,7 +11,7 @@ import torch
 from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
-from ..safe_globals import safe_torch_load
+from ..safe_globals import UnsafeCheckpointError, safe_torch_load
 from .base import LoadCommonStrategy, SaveCommonStrategy, StrategyAction, register_default_strategy
 
 COMMON_STATE_FNAME = "common.pt"
@@ -72,6 +72,8 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
 
         try:
             return load_common_state_object(Path(checkpoint_dir), self.allow_unsafe_pickle)
+        except UnsafeCheckpointError:
+            raise
         except CheckpointingException as e:
             raise CheckpointingException(
                 f"No common state in {checkpoint_dir}: {COMMON_STATE_FNAME} is missing ({e})"

@@ -22,6 +22,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -208,7 +209,10 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         writer = FileSystemWriter(checkpoint_dir, thread_count=self.thread_count)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
-            dcp.save({}, storage_writer=writer, planner=_ChunkSavePlanner(items, data))
+            try:
+                dcp.save({}, storage_writer=writer, planner=_ChunkSavePlanner(items, data))
+            except (Exception, CheckpointException) as e:
+                raise _as_checkpointing_error(e, f"Failed to write checkpoint {checkpoint_dir}") from e
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -454,21 +458,19 @@ def _dcp_load(reader: SafeFileSystemReader, planner: _ChunkLoadPlanner, checkpoi
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         try:
             dcp.load({}, storage_reader=reader, planner=planner, no_dist=True)
-        except CheckpointingException:
-            raise
-        except Exception as e:  # DCP wraps per-rank failures; surface the cause with the path
-            cause = _unwrap_dcp_error(e)
-            if isinstance(cause, CheckpointingException):
-                raise cause from e
-            raise CheckpointingException(f"Failed to read checkpoint {checkpoint_dir}: {cause!r}") from e
+        except (Exception, CheckpointException) as e:
+            raise _as_checkpointing_error(e, f"Failed to read checkpoint {checkpoint_dir}") from e
 
 
-def _unwrap_dcp_error(e: Exception) -> BaseException:
+def _as_checkpointing_error(e: BaseException, what: str) -> CheckpointingException:
+    """DCP wraps per-rank failures in a CheckpointException (a BaseException): surface the cause."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
         wrapped = next(iter(failures.values()))
-        return getattr(wrapped, "exc", wrapped)
-    return e
+        e = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    if isinstance(e, CheckpointingException):
+        return e
+    return CheckpointingException(f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
 
 def load_common_state_object(checkpoint_dir: Path, allow_unsafe_pickle: bool = False) -> Any:
