@@ -1,0 +1,111 @@
+"""``python -m nemo_ckpt inspect|consolidate``: look into and flatten distributed checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections import defaultdict
+from typing import Any, Optional
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from .core import CheckpointingException
+from .serialization import load_common_state_dict, load_plain_tensors
+from .strategies.torch import SafeFileSystemReader
+from .validation import verify_checkpoint_and_load_strategy
+
+
+def describe(checkpoint_dir: str, allow_unsafe_pickle: bool = False) -> dict[str, Any]:
+    """Backend config, tensors (shape, dtype, bytes, chunks), objects (bytes) and common keys."""
+    verify_checkpoint_and_load_strategy(checkpoint_dir)
+    from .core import maybe_load_config
+
+    config = maybe_load_config(checkpoint_dir)
+    metadata = SafeFileSystemReader(checkpoint_dir, allow_unsafe_pickle).read_metadata()
+    stored_bytes: dict[str, int] = defaultdict(int)
+    for index, info in metadata.storage_data.items():
+        stored_bytes[index.fqn] += info.length
+    tensors, objects = {}, {}
+    for key, md in sorted(metadata.state_dict_metadata.items()):
+        if isinstance(md, TensorStorageMetadata):
+            numel = 1
+            for s in md.size:
+                numel *= s
+            tensors[key] = {
+                "shape": list(md.size),
+                "dtype": str(md.properties.dtype).replace("torch.", ""),
+                "bytes": numel * md.properties.dtype.itemsize,
+                "chunks": len(md.chunks),
+            }
+        elif isinstance(md, BytesStorageMetadata):
+            objects[key] = {"bytes": stored_bytes[key]}
+    try:
+        common: Any = sorted(map(str, load_common_state_dict(checkpoint_dir, allow_unsafe_pickle)))
+    except CheckpointingException as e:
+        common = f"<not loaded: {e}>"
+    files = sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".distcp"))
+    return {
+        "backend": dataclasses.asdict(config),
+        "tensors": tensors,
+        "objects": objects,
+        "common_keys": common,
+        "total_tensor_bytes": sum(t["bytes"] for t in tensors.values()),
+        "files": files,
+    }
+
+
+def _print_description(info: dict[str, Any]) -> None:
+    b = info["backend"]
+    print(f"backend: {b['sharded_backend']} v{b['sharded_backend_version']} (common: {b['common_backend']} v{b['common_backend_version']})")
+    print(f"files: {len(info['files'])} .distcp")
+    width = max([len(k) for k in info["tensors"]] + [3])
+    print(f"{'key':<{width}}  {'shape':<20} {'dtype':<10} {'bytes':>12} chunks")
+    for key, t in info["tensors"].items():
+        print(f"{key:<{width}}  {str(tuple(t['shape'])):<20} {t['dtype']:<10} {t['bytes']:>12} {t['chunks']}")
+    for key, o in info["objects"].items():
+        print(f"{key:<{width}}  {'object':<20} {'':<10} {o['bytes']:>12}")
+    print(f"total tensor bytes: {info['total_tensor_bytes']}")
+    print(f"common keys: {info['common_keys']}")
+
+
+def consolidate(checkpoint_dir: str, out_path: str, fmt: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """Write every tensor, whole, to one file: torch (``torch.save`` of ``{key: tensor}``)
+    or safetensors (chosen by ``fmt`` or an ``.safetensors`` suffix)."""
+    tensors = load_plain_tensors(checkpoint_dir)
+    fmt = fmt or ("safetensors" if out_path.endswith(".safetensors") else "torch")
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in tensors.items()}, out_path, metadata={"source": os.path.abspath(checkpoint_dir)})
+    else:
+        torch.save(tensors, out_path)
+    return tensors
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nemo_ckpt", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_inspect = sub.add_parser("inspect", help="list keys, shapes, dtypes, bytes and backend")
+    p_inspect.add_argument("checkpoint")
+    p_inspect.add_argument("--json", action="store_true", help="print JSON")
+    p_inspect.add_argument("--allow-unsafe-pickle", action="store_true", help="trust the checkpoint's pickles")
+    p_cons = sub.add_parser("consolidate", help="write all tensors, unsharded, to one file")
+    p_cons.add_argument("checkpoint")
+    p_cons.add_argument("out")
+    p_cons.add_argument("--format", choices=["torch", "safetensors"], default=None)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "inspect":
+            info = describe(args.checkpoint, args.allow_unsafe_pickle)
+            print(json.dumps(info, indent=2)) if args.json else _print_description(info)
+        else:
+            tensors = consolidate(args.checkpoint, args.out, args.format)
+            print(f"wrote {len(tensors)} tensors to {args.out}")
+    except CheckpointingException as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
