@@ -1,0 +1,3 @@
+from nemo_ckpt.data.mock import MockDataModule
+
+__all__ = ["MockDataModule"]

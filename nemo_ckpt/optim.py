@@ -1,0 +1,51 @@
+"""Optimizer and learning-rate schedule, configured with Megatron-Core's `OptimizerConfig` names."""
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW (or SGD) with linear warmup and cosine or constant decay."""
+
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "cosine"
+    lr_decay_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"OptimizerConfig.optimizer={self.optimizer!r}: use 'adam' or 'sgd'")
+        if self.lr_decay_style not in ("cosine", "constant"):
+            raise ValueError(f"OptimizerConfig.lr_decay_style={self.lr_decay_style!r}: use 'cosine' or 'constant'")
+
+    def build_optimizer(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        if self.optimizer == "adam":
+            return torch.optim.AdamW(params, lr=self.lr, betas=(self.adam_beta1, self.adam_beta2),
+                                     eps=self.adam_eps, weight_decay=self.weight_decay)
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.sgd_momentum, weight_decay=self.weight_decay)
+
+    def lr_factor(self, step: int, decay_steps: int) -> float:
+        """Learning rate at `step` as a fraction of `lr`."""
+        if step < self.lr_warmup_steps:
+            return (step + 1) / self.lr_warmup_steps
+        if self.lr_decay_style == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.lr_warmup_steps) / max(1, decay_steps - self.lr_warmup_steps))
+        min_factor = self.min_lr / self.lr
+        return min_factor + (1.0 - min_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def build_scheduler(self, optimizer: torch.optim.Optimizer, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+        decay_steps = self.lr_decay_steps or max_steps
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: self.lr_factor(step, decay_steps))

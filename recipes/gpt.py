@@ -1,0 +1,84 @@
+"""GPT pretraining recipes: a `run.Partial` of `nemo_ckpt.api.pretrain`, editable before it runs.
+
+    recipe = pretrain_recipe(name="demo", num_gpus_per_node=2)
+    recipe.trainer.max_steps = 20
+    recipe.trainer.strategy.save_ckpt_format = "torch_dist"
+"""
+
+
+import lightning.pytorch as pl
+import nemo_run as run
+
+from nemo_ckpt.api import pretrain
+from nemo_ckpt.data import MockDataModule
+from nemo_ckpt.logger import NeMoLogger
+from nemo_ckpt.model_checkpoint import ModelCheckpoint
+from nemo_ckpt.models import GPTModel, gpt_config
+from nemo_ckpt.optim import OptimizerConfig
+from nemo_ckpt.resume import AutoResume
+from nemo_ckpt.strategy import MegatronStrategy
+
+
+def trainer(num_nodes: int = 1, num_gpus_per_node: int = 2, max_steps: int = 20,
+            val_check_interval: int = 10, ckpt_every_n_steps: int = 10) -> run.Config[pl.Trainer]:
+    """A Lightning Trainer on `MegatronStrategy`; `num_gpus_per_node` is the processes per node on CPU."""
+    return run.Config(
+        pl.Trainer,
+        accelerator="auto",
+        devices=num_gpus_per_node,
+        num_nodes=num_nodes,
+        strategy=run.Config(MegatronStrategy),
+        max_steps=max_steps,
+        val_check_interval=val_check_interval,
+        check_val_every_n_epoch=None,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+        use_distributed_sampler=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        callbacks=[],
+    )
+
+
+def pretrain_recipe(name: str = "default", dir: str | None = None, num_nodes: int = 1, num_gpus_per_node: int = 2,
+                    model_size: str = "tiny", max_steps: int = 20, micro_batch_size: int = 4,
+                    global_batch_size: int | None = None) -> run.Partial:
+    """Pretrain a GPT of `model_size` on mock data, checkpointing every 10 steps and resuming if it can."""
+    model = gpt_config(model_size)
+    data_parallel_size = num_nodes * num_gpus_per_node
+    return run.Partial(
+        pretrain,
+        model=run.Config(GPTModel, config=run.Config(type(model), **vars(model))),
+        data=run.Config(MockDataModule, seq_length=model.seq_length, vocab_size=model.vocab_size,
+                        micro_batch_size=micro_batch_size,
+                        global_batch_size=global_batch_size or micro_batch_size * data_parallel_size),
+        trainer=trainer(num_nodes, num_gpus_per_node, max_steps),
+        log=run.Config(NeMoLogger, name=name, log_dir=dir or "nemo_experiments",
+                       ckpt=run.Config(ModelCheckpoint, monitor="reduced_train_loss", save_top_k=2,
+                                       save_last=True, every_n_train_steps=10)),
+        resume=run.Config(AutoResume, resume_if_exists=True, resume_ignore_no_checkpoint=True),
+        optim=run.Config(OptimizerConfig, lr=3e-3, min_lr=3e-4, lr_warmup_steps=2),
+    )
+
+
+@run.cli.factory(target=pretrain, name="tiny")
+def tiny(name: str = "tiny", dir: str | None = None, num_nodes: int = 1, num_gpus_per_node: int = 2) -> run.Partial:
+    """The 130k-parameter model: trains on 2 CPU processes in seconds."""
+    return pretrain_recipe(name, dir, num_nodes, num_gpus_per_node, model_size="tiny")
+
+
+@run.cli.factory(target=pretrain, name="small")
+def small(name: str = "small", dir: str | None = None, num_nodes: int = 1, num_gpus_per_node: int = 2) -> run.Partial:
+    """A 3.7M-parameter model."""
+    return pretrain_recipe(name, dir, num_nodes, num_gpus_per_node, model_size="small")
+
+
+@run.cli.factory(target=pretrain, name="llama3_8b")
+def llama3_8b(name: str = "llama3_8b", dir: str | None = None, num_nodes: int = 1,
+              num_gpus_per_node: int = 8) -> run.Partial:
+    """Llama 3 8B shapes (config only: needs GPUs and, later, FSDP)."""
+    return pretrain_recipe(name, dir, num_nodes, num_gpus_per_node, model_size="llama3_8b", max_steps=1000,
+                           micro_batch_size=1, global_batch_size=512)
