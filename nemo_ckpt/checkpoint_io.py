@@ -19,7 +19,22 @@ def weights_dir(checkpoint_path: str | Path) -> Path:
 class DistCheckpointIO(CheckpointIO):
     """Saves a sharded checkpoint dict on every rank into `<path>/weights`, loads it back into a template."""
 
-    def __init__(self, save_ckpt_format: str = "torch_dist", load_strictness: str | None = None) -> None:
+    def __init__(self, save_ckpt_format: str = "torch_dist", async_save: bool = False, parallel_save: bool = False,
+                 parallel_save_within_dp: bool = False, parallel_load: bool = False,
+                 torch_dist_multiproc: int | None = None, assume_constant_structure: bool = False,
+                 parallel_save_optim: bool = False, load_directly_on_device: bool = False,
+                 load_strictness: str | None = None) -> None:
+        not_yet = {"ckpt_async_save": async_save, "ckpt_parallel_save": parallel_save,
+                   "ckpt_parallel_save_within_dp": parallel_save_within_dp, "ckpt_parallel_load": parallel_load,
+                   "ckpt_torch_dist_multiproc": torch_dist_multiproc,
+                   "ckpt_assume_constant_structure": assume_constant_structure,
+                   "ckpt_parallel_save_optim": parallel_save_optim,
+                   "ckpt_load_directly_on_device": load_directly_on_device}
+        enabled = [name for name, value in not_yet.items() if value]
+        if enabled:
+            raise NotImplementedError(f"MegatronStrategy options {enabled} are not implemented yet; leave them unset")
+        if save_ckpt_format != "torch_dist":
+            raise ValueError(f"MegatronStrategy(save_ckpt_format={save_ckpt_format!r}): only 'torch_dist' is supported")
         self.save_ckpt_format = save_ckpt_format
         self.load_strictness = load_strictness
 

@@ -14,9 +14,33 @@ from nemo_ckpt.sharding import optimizer_sharded_state_dict, replicated_sharded_
 class MegatronStrategy(DDPStrategy):
     """Data-parallel training (gloo on CPU, NCCL on GPU) with sharded, reshardable checkpoints on every rank."""
 
-    def __init__(self, save_ckpt_format: str = "torch_dist", ckpt_load_strictness: str | None = None,
-                 **ddp_kwargs: Any) -> None:
-        super().__init__(checkpoint_io=DistCheckpointIO(save_ckpt_format, ckpt_load_strictness), **ddp_kwargs)
+    def __init__(
+        self,
+        save_ckpt_format: str = "torch_dist",
+        ckpt_async_save: bool = False,
+        ckpt_parallel_save: bool = False,
+        ckpt_parallel_save_within_dp: bool = False,
+        ckpt_parallel_load: bool = False,
+        ckpt_torch_dist_multiproc: int | None = None,
+        ckpt_assume_constant_structure: bool = False,
+        ckpt_parallel_save_optim: bool = False,
+        ckpt_load_directly_on_device: bool = False,
+        ckpt_load_strictness: str | None = None,
+        **ddp_kwargs: Any,
+    ) -> None:
+        checkpoint_io = DistCheckpointIO(
+            save_ckpt_format=save_ckpt_format,
+            async_save=ckpt_async_save,
+            parallel_save=ckpt_parallel_save,
+            parallel_save_within_dp=ckpt_parallel_save_within_dp,
+            parallel_load=ckpt_parallel_load,
+            torch_dist_multiproc=ckpt_torch_dist_multiproc,
+            assume_constant_structure=ckpt_assume_constant_structure,
+            parallel_save_optim=ckpt_parallel_save_optim,
+            load_directly_on_device=ckpt_load_directly_on_device,
+            load_strictness=ckpt_load_strictness,
+        )
+        super().__init__(checkpoint_io=checkpoint_io, **ddp_kwargs)
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
