@@ -39,9 +39,14 @@ class DistCheckpointIO(CheckpointIO):
         self.load_strictness = load_strictness
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
+        """Collective save. `storage_options={"finalize_fn": fn}`: `fn()` runs on every rank, in save order,
+        once the checkpoint is complete on all ranks."""
         target = weights_dir(path)
         target.mkdir(parents=True, exist_ok=True)
         dist_checkpointing.save(checkpoint, target, sharded_strategy=(self.save_ckpt_format, 1))
+        finalize_fn = (storage_options or {}).get("finalize_fn")
+        if finalize_fn is not None:
+            finalize_fn()
 
     def load_checkpoint(self, path: str | Path, map_location: Any = None,
                         sharded_state_dict: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:

@@ -78,11 +78,14 @@ class ModelCheckpoint(Callback):
             self.dirpath.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
         trainer.strategy.barrier("ModelCheckpoint.before_save")
-        trainer.save_checkpoint(tmp, weights_only=False)
-        trainer.strategy.barrier("ModelCheckpoint.after_save")
-        if trainer.is_global_zero:
-            self._commit(tmp, final, CheckpointRecord(name, trainer.global_step, trainer.current_epoch, metrics))
-        trainer.strategy.barrier("ModelCheckpoint.after_commit")
+        record = CheckpointRecord(name, trainer.global_step, trainer.current_epoch, metrics)
+
+        def commit() -> None:
+            if trainer.is_global_zero:
+                self._commit(tmp, final, record)
+            trainer.strategy.barrier("ModelCheckpoint.after_commit")
+
+        trainer.save_checkpoint(tmp, weights_only=False, storage_options={"finalize_fn": commit})
         self._last_saved_step = trainer.global_step
         return final
 
