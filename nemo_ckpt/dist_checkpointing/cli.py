@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from .core import CheckpointingException
+from .core import CheckpointingException, maybe_load_config
 from .serialization import load_common_state_dict, load_plain_tensors
 from .strategies.torch import SafeFileSystemReader
 from .validation import verify_checkpoint_and_load_strategy
@@ -22,8 +22,6 @@ from .validation import verify_checkpoint_and_load_strategy
 def describe(checkpoint_dir: str, allow_unsafe_pickle: bool = False) -> dict[str, Any]:
     """Backend config, tensors (shape, dtype, bytes, chunks), objects (bytes) and common keys."""
     verify_checkpoint_and_load_strategy(checkpoint_dir)
-    from .core import maybe_load_config
-
     config = maybe_load_config(checkpoint_dir)
     metadata = SafeFileSystemReader(checkpoint_dir, allow_unsafe_pickle).read_metadata()
     stored_bytes: dict[str, int] = defaultdict(int)

@@ -15,7 +15,7 @@ import torch
 from .core import CheckpointingException, maybe_load_config
 from .dict_utils import diff, extract_matching_values, nested_values
 from .mapping import CommonStateDict, ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
-from .strategies.base import LoadCommonStrategy, LoadShardedStrategy, SaveCommonStrategy, SaveShardedStrategy, StrategyAction, get_default_strategy
+from .strategies.base import LoadCommonStrategy, LoadShardedStrategy, StrategyAction, get_default_strategy
 
 logger = logging.getLogger(__name__)
 

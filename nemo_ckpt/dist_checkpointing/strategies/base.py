@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections import defaultdict
 from enum import Enum
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from ..core import CheckpointingException
 from ..mapping import ShardedStateDict, StateDict
