@@ -1,4 +1,4 @@
-"""`DistCheckpointIO`: Lightning's CheckpointIO on `nemo_ckpt.dist_checkpointing`."""
+"""`DistCheckpointIO`: Lightning's CheckpointIO on `nemo_ckpt.dist_checkpointing`, with NeMo's speed options."""
 
 import shutil
 from pathlib import Path
@@ -7,8 +7,17 @@ from typing import Any
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from nemo_ckpt import dist_checkpointing
+from nemo_ckpt.dist_checkpointing.mapping import ShardedBase
+from nemo_ckpt.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from nemo_ckpt.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+from nemo_ckpt.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
+from nemo_ckpt.dist_checkpointing.strategies.zarr import ZarrLoadShardedStrategy
 
 WEIGHTS_DIR = "weights"
+OPTIMIZER_KEY_PREFIX = "optimizer."
 
 
 def weights_dir(checkpoint_path: str | Path) -> Path:
@@ -16,46 +25,129 @@ def weights_dir(checkpoint_path: str | Path) -> Path:
     return Path(checkpoint_path) / WEIGHTS_DIR
 
 
+def _is_model_shard(sh: ShardedBase) -> bool:
+    return not sh.key.startswith(OPTIMIZER_KEY_PREFIX)
+
+
+def _is_optimizer_shard(sh: ShardedBase) -> bool:
+    return sh.key.startswith(OPTIMIZER_KEY_PREFIX)
+
+
 class DistCheckpointIO(CheckpointIO):
-    """Saves a sharded checkpoint dict on every rank into `<path>/weights`, loads it back into a template."""
+    """Saves a sharded checkpoint dict on every rank into `<path>/weights`, loads it back into a template.
+
+    Options (NeMo's `MegatronStrategy.ckpt_*`):
+        save_ckpt_format: 'torch_dist' (saving 'zarr' is not supported; zarr checkpoints still load).
+        async_save: stage to CPU and write in the background; the checkpoint is completed (metadata.json,
+            then `finalize_fn`) by `maybe_finalize`, which the strategy calls every step and at teardown.
+        parallel_save: spread the writing of replicated model shards evenly over the ranks.
+        parallel_save_within_dp: spread it within the data-parallel group only; with pure data
+            parallelism (MegatronStrategy) that group is the world.
+        parallel_load: read each replicated shard once and broadcast it.
+        torch_dist_multiproc: writer threads (files) per rank; default 1.
+        assume_constant_structure: validate the sharding and compute the save distribution once, and
+            cache the checkpoint metadata between saves.
+        parallel_save_optim: spread the writing of the optimizer state too.
+        load_directly_on_device: zarr loads put tensors on the current accelerator (torch_dist loads go
+            straight into the template's tensors, wherever they are).
+        load_strictness: a `StrictHandling` value for key mismatches.
+    """
 
     def __init__(self, save_ckpt_format: str = "torch_dist", async_save: bool = False, parallel_save: bool = False,
                  parallel_save_within_dp: bool = False, parallel_load: bool = False,
                  torch_dist_multiproc: int | None = None, assume_constant_structure: bool = False,
                  parallel_save_optim: bool = False, load_directly_on_device: bool = False,
                  load_strictness: str | None = None) -> None:
-        not_yet = {"ckpt_async_save": async_save, "ckpt_parallel_save": parallel_save,
-                   "ckpt_parallel_save_within_dp": parallel_save_within_dp, "ckpt_parallel_load": parallel_load,
-                   "ckpt_torch_dist_multiproc": torch_dist_multiproc,
-                   "ckpt_assume_constant_structure": assume_constant_structure,
-                   "ckpt_parallel_save_optim": parallel_save_optim,
-                   "ckpt_load_directly_on_device": load_directly_on_device}
-        enabled = [name for name, value in not_yet.items() if value]
-        if enabled:
-            raise NotImplementedError(f"MegatronStrategy options {enabled} are not implemented yet; leave them unset")
         if save_ckpt_format != "torch_dist":
-            raise ValueError(f"MegatronStrategy(save_ckpt_format={save_ckpt_format!r}): only 'torch_dist' is supported")
+            raise ValueError(f"MegatronStrategy(save_ckpt_format={save_ckpt_format!r}): only 'torch_dist' can be "
+                             "saved ('zarr' is deprecated; zarr checkpoints still load, convert them with "
+                             "`python -m nemo_ckpt.dist_checkpointing.converter`)")
+        if torch_dist_multiproc is not None and torch_dist_multiproc < 1:
+            raise ValueError(f"MegatronStrategy(ckpt_torch_dist_multiproc={torch_dist_multiproc}): use 1 or more "
+                             "writers per rank, or None for the default (1)")
+        if load_strictness is not None:
+            dist_checkpointing.validation.parse_strict_flag(load_strictness)
         self.save_ckpt_format = save_ckpt_format
+        self.async_save = async_save
+        self.parallel_save = parallel_save
+        self.parallel_save_within_dp = parallel_save_within_dp
+        self.parallel_load = parallel_load
+        self.torch_dist_multiproc = torch_dist_multiproc
+        self.assume_constant_structure = assume_constant_structure
+        self.parallel_save_optim = parallel_save_optim
+        self.load_directly_on_device = load_directly_on_device
         self.load_strictness = load_strictness
+        self.async_calls = AsyncCallsQueue() if async_save else None
+        self._save_strategy = self._build_save_strategy()
+        self._validated_sharding = False
+
+    def _build_save_strategy(self) -> Any:
+        strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=self.torch_dist_multiproc or 1,
+                                                cached_metadata=self.assume_constant_structure)
+        if self.parallel_save and self.parallel_save_optim:
+            include = None
+        elif self.parallel_save:
+            include = _is_model_shard
+        elif self.parallel_save_optim:
+            include = _is_optimizer_shard
+        else:
+            return strategy
+        # with pure data parallelism the data-parallel group is the world (None), within DP or not
+        return FullyParallelSaveStrategyWrapper(strategy, parallelization_group=None,
+                                                do_cache_distribution=self.assume_constant_structure, include=include)
+
+    def _load_strategy(self, source: Path) -> Any:
+        backend = dist_checkpointing.core.maybe_load_config(source)
+        if backend is not None and backend.sharded_backend == "zarr":
+            strategy: Any = ZarrLoadShardedStrategy(load_directly_on_device=self.load_directly_on_device)
+        else:
+            strategy = TorchDistLoadShardedStrategy()
+        if self.parallel_load:
+            strategy = FullyParallelLoadStrategyWrapper(strategy)
+        return strategy
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
         """Collective save. `storage_options={"finalize_fn": fn}`: `fn()` runs on every rank, in save order,
-        once the checkpoint is complete on all ranks."""
+        once the checkpoint is complete on all ranks (for async saves: in a later `maybe_finalize`)."""
         target = weights_dir(path)
         target.mkdir(parents=True, exist_ok=True)
-        dist_checkpointing.save(checkpoint, target, sharded_strategy=(self.save_ckpt_format, 1))
         finalize_fn = (storage_options or {}).get("finalize_fn")
+        validate = not (self.assume_constant_structure and self._validated_sharding)
+        self._validated_sharding = True
+        if self.async_calls is None:
+            dist_checkpointing.save(checkpoint, target, self._save_strategy, validate_access_integrity=validate)
+            if finalize_fn is not None:
+                finalize_fn()
+            return
+        self.maybe_finalize(blocking=True)  # one save in flight at a time: each holds a CPU copy of the state
+        request = dist_checkpointing.save(checkpoint, target, self._save_strategy, validate_access_integrity=validate,
+                                          async_sharded_save=True)
         if finalize_fn is not None:
-            finalize_fn()
+            request.add_finalize_fn(finalize_fn)
+        self.async_calls.schedule_async_request(request)
+
+    def maybe_finalize(self, blocking: bool = False) -> list[int]:
+        """Complete the async saves that every rank has finished writing (all of them if `blocking`).
+
+        Collective when saves are in flight; returns the finalized call indices.
+        """
+        if self.async_calls is None or self.async_calls.get_num_unfinalized_calls() == 0:
+            return []
+        return self.async_calls.maybe_finalize_async_calls(blocking=blocking)
 
     def load_checkpoint(self, path: str | Path, map_location: Any = None,
                         sharded_state_dict: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
         if sharded_state_dict is None:
             raise ValueError("DistCheckpointIO.load_checkpoint needs `sharded_state_dict`, the template to load into")
         source = weights_dir(path)
-        if self.load_strictness is None:
-            return dist_checkpointing.load(sharded_state_dict, source)
-        return dist_checkpointing.load(sharded_state_dict, source, strict=self.load_strictness)
+        strict = {} if self.load_strictness is None else {"strict": self.load_strictness}
+        return dist_checkpointing.load(sharded_state_dict, source, sharded_strategy=self._load_strategy(source), **strict)
 
     def remove_checkpoint(self, path: str | Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
+
+    def teardown(self) -> None:
+        """Finish every async save in flight and stop the background writer."""
+        if self.async_calls is not None:
+            self.async_calls.close()
+            self.async_calls = AsyncCallsQueue()

@@ -26,6 +26,7 @@ from .mapping import (
     apply_factory_merges,
 )
 from .state_dict_utils import load_preprocess, save_preprocess
+from .strategies.async_utils import AsyncRequest
 from .strategies.base import (
     LoadCommonStrategy,
     LoadShardedStrategy,
@@ -193,7 +194,8 @@ def save(
     validate_access_integrity: bool = True,
     preprocess_common_before_consistancy_check: Optional[Callable[[CommonStateDict], StateDict]] = None,
     content_metadata: Optional[dict] = None,
-) -> None:
+    async_sharded_save: bool = False,
+) -> Optional[AsyncRequest]:
     """Save a sharded state dict (collective: every rank calls it with its shards).
 
     Steps: apply factories; drop LocalNonpersistentObjects; validate the sharding across
@@ -212,6 +214,9 @@ def save(
         preprocess_common_before_consistancy_check: maps the common state dict before the
             cross-rank consistency check (e.g. to drop keys expected to differ).
         content_metadata: application metadata, read back with :func:`load_content_metadata`.
+        async_sharded_save: return an :class:`AsyncRequest` instead of writing the shards now: the
+            data is staged on CPU, the request writes it and its finalize functions (the last one
+            writes ``metadata.json``) complete the checkpoint. Needs a strategy with ``async_save``.
     """
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
@@ -241,10 +246,22 @@ def save(
         validate_sharded_objects_handling(sharded_strategy, common_strategy)
         sharded_objects, sharded_state_dict = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedObject))
         common_strategy.save_sharded_objects(sharded_objects, checkpoint_dir)
-    sharded_strategy.save(sharded_state_dict, checkpoint_dir)
+    config = CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version)
+    if not async_sharded_save:
+        sharded_strategy.save(sharded_state_dict, checkpoint_dir)
+        _finalize_save(config, checkpoint_dir)
+        return None
+    if not hasattr(sharded_strategy, "async_save"):
+        raise CheckpointingException(f"async_sharded_save=True needs a strategy with `async_save`; {sharded_strategy} has none")
+    async_request = sharded_strategy.async_save(sharded_state_dict, checkpoint_dir)
+    async_request.add_finalize_fn(lambda: _finalize_save(config, checkpoint_dir))
+    return async_request
+
+
+def _finalize_save(config: CheckpointingConfig, checkpoint_dir: Path) -> None:
+    """Once every rank's data is written, rank 0 writes metadata.json, the completeness marker."""
     _barrier()
     if _rank() == 0:
-        config = CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version)
         save_config(config, checkpoint_dir)
     _barrier()
 

@@ -21,9 +21,9 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -37,7 +37,6 @@ from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
     ReadItem,
-    SavePlan,
     TensorWriteData,
     WriteItem,
     WriteItemType,
@@ -48,7 +47,9 @@ from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from ..safe_globals import DCPMetadataUnpickler, UnsafeCheckpointError, safe_torch_load
+from .async_utils import AsyncRequest
 from .base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction, register_default_strategy
+from .filesystem_async import MetadataCache, save_request
 
 DCP_METADATA_FNAME = ".metadata"
 
@@ -119,29 +120,6 @@ def _serialize_objects(objs: list[Any]) -> io.BytesIO:
     return buf
 
 
-class _ChunkSavePlanner(DefaultSavePlanner):
-    """Saves precomputed write items; DCP's default global planning builds the metadata."""
-
-    def __init__(self, items: list[WriteItem], data: dict[MetadataIndex, Union[torch.Tensor, io.BytesIO]]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._items = items
-        self._data = data
-
-    def set_up_planner(self, state_dict: Any, storage_meta: Optional[StorageMeta] = None, is_coordinator: bool = False) -> None:
-        self.state_dict = {}
-        self.is_coordinator = is_coordinator
-
-    def create_local_plan(self) -> SavePlan:
-        self.plan = SavePlan(self._items)
-        return self.plan
-
-    def resolve_data(self, write_item: WriteItem) -> Union[torch.Tensor, io.BytesIO]:
-        obj = self._data[write_item.index]
-        if isinstance(obj, io.BytesIO):
-            obj.seek(0)
-        return obj
-
-
 def build_write_items(
     sharded_state_dict: ShardedStateDict,
 ) -> tuple[list[WriteItem], dict[MetadataIndex, Union[torch.Tensor, io.BytesIO]]]:
@@ -186,19 +164,24 @@ def build_write_items(
 
 
 class TorchDistSaveShardedStrategy(SaveShardedStrategy):
-    """Saves ShardedTensors and ShardedObjects with torch.distributed.checkpoint.
+    """Saves ShardedTensors and ShardedObjects in torch.distributed.checkpoint's format.
 
-    Collective: every rank must call :meth:`save` with its own shards.
+    Collective: every rank must call :meth:`save` (or :meth:`async_save`) with its own shards.
 
     Args:
         backend: format name recorded in metadata.json.
         version: format version recorded in metadata.json.
         thread_count: writer threads per rank (files per rank).
+        cached_metadata: keep the checkpoint structure between saves; ranks whose shards did not
+            change send only their write results to the coordinator.
     """
 
-    def __init__(self, backend: str = "torch_dist", version: int = 1, thread_count: int = 1) -> None:
+    def __init__(self, backend: str = "torch_dist", version: int = 1, thread_count: int = 1,
+                 cached_metadata: bool = False) -> None:
         super().__init__(backend, version)
         self.thread_count = thread_count
+        self.cached_metadata = cached_metadata
+        self._metadata_cache = MetadataCache() if cached_metadata else None
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -206,13 +189,12 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
         items, data = build_write_items(sharded_state_dict)
-        writer = FileSystemWriter(checkpoint_dir, thread_count=self.thread_count)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
-            try:
-                dcp.save({}, storage_writer=writer, planner=_ChunkSavePlanner(items, data))
-            except (Exception, CheckpointException) as e:
-                raise _as_checkpointing_error(e, f"Failed to write checkpoint {checkpoint_dir}") from e
+        save_request(items, data, checkpoint_dir, self.thread_count, False, self._metadata_cache).execute_sync()
+
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> AsyncRequest:
+        """Copy this rank's main replicas to CPU now; the request writes them and finishes the checkpoint."""
+        items, data = build_write_items(sharded_state_dict)
+        return save_request(items, data, checkpoint_dir, self.thread_count, True, self._metadata_cache)
 
 
 class SafeFileSystemReader(FileSystemReader):

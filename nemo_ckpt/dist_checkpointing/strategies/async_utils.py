@@ -1,0 +1,201 @@
+"""Asynchronous checkpoint saves: a request to run in the background and finalize on all ranks.
+
+Names and semantics follow Megatron-Core's ``dist_checkpointing.strategies.async_utils``:
+an :class:`AsyncRequest` holds a function that writes the data (run by a persistent background
+worker, while training goes on) and finalize functions (run on the training side, in order, once
+the write is done on every rank). :class:`AsyncCallsQueue` schedules requests and finalizes them.
+A write that failed on any rank raises a :class:`CheckpointingException` on every rank at the
+next finalize; the failed request's finalize functions do not run.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..core import CheckpointingException
+from ..exchange_utils import collective_device
+
+
+class AsyncRequest(NamedTuple):
+    """Work for an asynchronous save.
+
+    Args:
+        async_fn: writes the data, in the background; None does nothing.
+        async_fn_args: positional arguments of ``async_fn``.
+        finalize_fns: run in order on the training side once ``async_fn`` is done on all ranks.
+        async_fn_kwargs: keyword arguments of ``async_fn``.
+        is_frozen: a frozen request takes no more finalize functions.
+    """
+
+    async_fn: Optional[Callable]
+    async_fn_args: tuple
+    finalize_fns: list[Callable]
+    async_fn_kwargs: dict = {}
+    is_frozen: bool = False
+
+    def add_finalize_fn(self, fn: Callable) -> None:
+        """Run ``fn`` after the finalize functions already added."""
+        if self.is_frozen:
+            raise RuntimeError("Cannot add finalization functions to a frozen AsyncRequest")
+        self.finalize_fns.append(fn)
+
+    def execute_sync(self) -> None:
+        """Run the request now: write, check that every rank's write worked, finalize.
+
+        A write that failed on any rank raises CheckpointingException on every rank.
+        """
+        error = None
+        try:
+            if self.async_fn is not None:
+                self.async_fn(*self.async_fn_args, **self.async_fn_kwargs)
+        except Exception as e:
+            error = e
+        raise_if_failed_anywhere(error, "Checkpoint save")
+        for finalize_fn in self.finalize_fns:
+            finalize_fn()
+
+    def freeze(self) -> "AsyncRequest":
+        """A copy that takes no more finalize functions."""
+        return self._replace(is_frozen=True)
+
+
+@dataclass
+class _Call:
+    request: AsyncRequest
+    done: threading.Event = field(default_factory=threading.Event)
+    error: Optional[BaseException] = None
+
+
+class AsyncCaller:
+    """One persistent background thread per process that runs ``async_fn``s one after another.
+
+    File writes release the GIL, so the thread writes while the training loop computes; one
+    thread for the whole run avoids a fork (and a copy of the process) per save.
+    """
+
+    def __init__(self) -> None:
+        self._calls: queue.Queue[Optional[_Call]] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="async-checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while (call := self._calls.get()) is not None:
+            request = call.request
+            try:
+                if request.async_fn is not None:
+                    request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
+            except BaseException as error:  # reported at finalize, on the training side
+                call.error = error
+            finally:
+                call.done.set()
+
+    def schedule(self, request: AsyncRequest) -> _Call:
+        call = _Call(request)
+        self._calls.put(call)
+        return call
+
+    def close(self) -> None:
+        """Finish the queued writes and stop the thread."""
+        self._calls.put(None)
+        self._thread.join()
+
+
+def _failure(what: str, error: Optional[BaseException]) -> CheckpointingException:
+    detail = f": {type(error).__name__}: {error}" if error is not None else " on another rank"
+    failure = CheckpointingException(f"{what} failed{detail}")
+    failure.__cause__ = error
+    return failure
+
+
+def raise_if_failed_anywhere(error: Optional[BaseException], what: str,
+                             group: Optional[dist.ProcessGroup] = None) -> None:
+    """Collective: raise CheckpointingException on every rank if ``error`` is set on any rank."""
+    failed = error is not None
+    if dist.is_initialized():
+        flag = torch.tensor([int(failed)], device=collective_device(group))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        failed = bool(flag.item())
+    if failed:
+        raise _failure(what, error)
+
+
+class _ActiveAsyncRequest(NamedTuple):
+    idx: int
+    call: _Call
+
+
+class AsyncCallsQueue:
+    """Async saves in flight, finalized in order.
+
+    ``schedule_async_request`` and ``maybe_finalize_async_calls`` are collective: call them on every
+    rank of ``group`` (default: the whole world), the same number of times.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+        self.async_calls: deque[_ActiveAsyncRequest] = deque()
+        self.call_idx = -1
+        self.group = group
+        self._caller: Optional[AsyncCaller] = None
+
+    def schedule_async_request(self, async_request: AsyncRequest) -> int:
+        """Start writing in the background; returns the call's index."""
+        if self._caller is None:
+            self._caller = AsyncCaller()
+        self.call_idx += 1
+        call = self._caller.schedule(async_request.freeze())
+        self.async_calls.append(_ActiveAsyncRequest(self.call_idx, call))
+        return self.call_idx
+
+    def maybe_finalize_async_calls(self, blocking: bool = False, no_dist: bool = False) -> list[int]:
+        """Finalize the oldest calls that are done on every rank (all of them if ``blocking``).
+
+        Ranks agree with an all-reduce (skipped with ``no_dist``). Returns the finalized indices.
+        Raises CheckpointingException on every rank if any rank's write failed.
+        """
+        finalized = []
+        while self.async_calls:
+            idx, call = self.async_calls[0]
+            if blocking:
+                call.done.wait()
+            if not self._done_everywhere(idx, call, no_dist):
+                break
+            self.async_calls.popleft()
+            for finalize_fn in call.request.finalize_fns:
+                finalize_fn()
+            finalized.append(idx)
+        return finalized
+
+    def _done_everywhere(self, idx: int, call: _Call, no_dist: bool) -> bool:
+        done, failed = call.done.is_set(), call.error is not None
+        if not no_dist and dist.is_initialized():
+            flags = torch.tensor([int(not done), int(failed), idx, -idx], dtype=torch.int64,
+                                 device=collective_device(self.group))
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+            not_done, any_failed, max_idx, neg_min_idx = flags.tolist()
+            if max_idx != -neg_min_idx:
+                raise CheckpointingException(f"Ranks finalize different async checkpoint calls ({-neg_min_idx} to "
+                                             f"{max_idx}): call maybe_finalize_async_calls on every rank")
+            done, failed = not not_done, bool(any_failed)
+        if failed:
+            self.async_calls.popleft()
+            raise _failure(f"Async checkpoint save #{idx}", call.error)
+        return done
+
+    def get_num_unfinalized_calls(self) -> int:
+        return len(self.async_calls)
+
+    def close(self) -> None:
+        """Finalize every call (blocking), then stop the background worker."""
+        try:
+            self.maybe_finalize_async_calls(blocking=True)
+        finally:
+            if self._caller is not None:
+                self._caller.close()
+                self._caller = None

@@ -1,0 +1,194 @@
+"""Writing torch_dist data in three steps, so the middle one can run in the background.
+
+1. ``prepare_write_data`` (training side): stage this rank's shards as CPU tensors (a copy for async
+   saves, so training may change the originals) and split them into ``thread_count`` files.
+2. ``write`` (any thread): each file ``__<rank>_<i>.distcp`` by its own thread, fsynced; every item
+   serialized exactly as ``torch.distributed.checkpoint.FileSystemWriter`` does.
+3. ``finish`` (training side, collective): gather the write results; the coordinator writes DCP's
+   ``.metadata`` (atomically, fsynced). With a :class:`MetadataCache`, ranks whose shards have the
+   same structure as last time send nothing but their write results.
+
+No planning collective is needed: the items are already deduplicated (main replicas only).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
+    SerializationFormat,
+    _StorageWriterTransforms,
+    _write_item,
+)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..core import CheckpointingException
+from .async_utils import AsyncRequest
+
+DCP_METADATA_FNAME = ".metadata"
+ItemData = Union[torch.Tensor, io.BytesIO]
+
+
+@dataclass
+class MetadataCache:
+    """What the last save looked like: this rank's items and (on the coordinator) everyone's."""
+
+    local_items: Optional[list[WriteItem]] = None
+    all_items: list[list[WriteItem]] = field(default_factory=list)
+    state_dict_metadata: dict = field(default_factory=dict)
+
+
+def _item_nbytes(item: WriteItem, data: ItemData) -> int:
+    if isinstance(data, io.BytesIO):
+        return data.getbuffer().nbytes
+    return data.numel() * data.element_size()
+
+
+def _stage(data: ItemData, copy: bool) -> ItemData:
+    """A contiguous CPU tensor that owns exactly its bytes (torch.save writes a tensor's whole storage)."""
+    if isinstance(data, io.BytesIO):
+        return io.BytesIO(data.getvalue()) if copy else data
+    owns_storage = data.untyped_storage().nbytes() == data.numel() * data.element_size()
+    if copy or data.device.type != "cpu" or not owns_storage or not data.is_contiguous():
+        data = data.to("cpu", copy=True).contiguous()
+    return data
+
+
+def split_into_files(items: list[WriteItem], data: dict, bins: int) -> list[list[WriteItem]]:
+    """``bins`` lists of items with about equal bytes (largest first to the lightest file)."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    sizes = [0] * bins
+    for item in sorted(items, key=lambda it: -_item_nbytes(it, data[it.index])):
+        lightest = sizes.index(min(sizes))
+        buckets[lightest].append(item)
+        sizes[lightest] += _item_nbytes(item, data[item.index])
+    return [bucket for bucket in buckets if bucket] or [[]]
+
+
+class FileSystemWriterAsync:
+    """One rank's part of a torch_dist save, split into prepare / write / finish (see module doc)."""
+
+    def __init__(self, checkpoint_dir: Path, thread_count: int = 1, cache: Optional[MetadataCache] = None) -> None:
+        if thread_count < 1:
+            raise ValueError(f"thread_count={thread_count}: use 1 or more writer threads (files) per rank")
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.thread_count = thread_count
+        self.cache = cache
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.items: list[WriteItem] = []
+        self.buckets: list[list[WriteItem]] = []
+        self.data: dict = {}
+        self.results: list[WriteResult] = []
+
+    def prepare_write_data(self, items: list[WriteItem], data: dict, copy: bool) -> None:
+        """Stage the data on CPU (``copy``: into new memory) and assign items to files."""
+        self.items = items
+        self.data = {index: _stage(value, copy) for index, value in data.items()}
+        self.buckets = split_into_files(items, self.data, self.thread_count)
+
+    def write(self) -> None:
+        """Write every file (one thread each) and keep the write results for :meth:`finish`."""
+        names = [f"__{self.rank}_{i}.distcp" for i in range(len(self.buckets))]
+        if len(self.buckets) == 1:
+            self.results = self._write_file(names[0], self.buckets[0])
+        else:
+            with ThreadPoolExecutor(len(self.buckets), thread_name_prefix="ckpt-file-writer") as pool:
+                self.results = [r for rs in pool.map(self._write_file, names, self.buckets) for r in rs]
+        self.data = {}
+
+    def _write_file(self, name: str, items: list[WriteItem]) -> list[WriteResult]:
+        transforms = _StorageWriterTransforms()
+        results = []
+        with open(self.checkpoint_dir / name, "wb") as stream:
+            for item in items:
+                data = self.data[item.index]
+                if isinstance(data, io.BytesIO):
+                    data.seek(0)
+                results.append(_write_item(transforms, stream, data, item, name, SerializationFormat.TORCH_SAVE))
+            stream.flush()
+            os.fsync(stream.fileno())
+        return results
+
+    def finish(self) -> None:
+        """Collective: gather write results; the coordinator (rank 0) writes ``.metadata``."""
+        cache = self.cache
+        unchanged = cache is not None and cache.local_items == self.items
+        payload = (None if unchanged else self.items, self.results)
+        gathered = [None] * dist.get_world_size() if dist.is_initialized() else None
+        if dist.is_initialized():
+            dist.gather_object(payload, gathered if self.rank == 0 else None, dst=0)
+        else:
+            gathered = [payload]
+        error = None
+        if self.rank == 0:
+            try:
+                self._write_metadata(gathered)
+            except OSError as e:
+                error = f"Failed to write {self.checkpoint_dir / DCP_METADATA_FNAME}: {e}"
+        if dist.is_initialized():
+            box = [error]
+            dist.broadcast_object_list(box, src=0)
+            error = box[0]
+        if error is not None:
+            raise CheckpointingException(error)
+        if cache is not None:
+            cache.local_items = self.items
+
+    def _write_metadata(self, gathered: list) -> None:
+        cache = self.cache or MetadataCache()
+        all_items = [items if items is not None else cache.all_items[rank] for rank, (items, _) in enumerate(gathered)]
+        if any(items is not None for items, _ in gathered) or not cache.state_dict_metadata:
+            cache.state_dict_metadata = build_state_dict_metadata(all_items)
+            cache.all_items = all_items
+        storage_data = {wr.index: wr.storage_data for _, results in gathered for wr in results}
+        metadata = Metadata(
+            state_dict_metadata=cache.state_dict_metadata,
+            storage_data=storage_data,
+            storage_meta=StorageMeta(checkpoint_id=str(self.checkpoint_dir), save_id=str(uuid.uuid4())),
+            version=CURRENT_DCP_VERSION,
+        )
+        tmp = self.checkpoint_dir / f"{DCP_METADATA_FNAME}.tmp"
+        with open(tmp, "wb") as stream:
+            pickle.dump(metadata, stream)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(tmp, self.checkpoint_dir / DCP_METADATA_FNAME)
+
+
+def build_state_dict_metadata(all_items: list[list[WriteItem]]) -> dict:
+    """DCP's global metadata: for each key, its size, dtype and every rank's chunks (in rank order)."""
+    metadata: dict = {}
+    for items in all_items:
+        for item in items:
+            if item.type == WriteItemType.BYTE_IO:
+                metadata[item.index.fqn] = BytesStorageMetadata()
+                continue
+            tensor_data = item.tensor_data
+            entry = metadata.setdefault(item.index.fqn, TensorStorageMetadata(tensor_data.properties, tensor_data.size, []))
+            entry.chunks.append(tensor_data.chunk)
+    return metadata
+
+
+def save_request(items: list[WriteItem], data: dict, checkpoint_dir: Path, thread_count: int, copy_to_cpu: bool,
+                 cache: Optional[MetadataCache] = None) -> AsyncRequest:
+    """Stage the data now; the request writes it (``async_fn``) and finishes the DCP checkpoint (finalize)."""
+    writer = FileSystemWriterAsync(checkpoint_dir, thread_count, cache)
+    writer.prepare_write_data(items, data, copy=copy_to_cpu)
+    return AsyncRequest(writer.write, (), [writer.finish])
