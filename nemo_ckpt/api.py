@@ -5,9 +5,11 @@ from pathlib import Path
 import lightning.pytorch as pl
 import nemo_run as run
 
+from nemo_ckpt import io
 from nemo_ckpt.logger import NeMoLogger
 from nemo_ckpt.optim import OptimizerConfig
 from nemo_ckpt.resume import AutoResume
+from nemo_ckpt.rng import RNGStateCallback
 
 
 @run.cli.entrypoint(namespace="nemo_ckpt")
@@ -16,13 +18,18 @@ def pretrain(model: pl.LightningModule, data: pl.LightningDataModule, trainer: p
              optim: OptimizerConfig | None = None, seed: int = 1234) -> Path:
     """Train `model` on `data`, resuming as `resume` says; return the checkpoint directory.
 
-    Every rank seeds its random generators with `seed`, so ranks build identical models and runs repeat.
+    Every rank seeds its random generators with `seed`, so ranks build identical models and runs repeat; a
+    resumed run continues with the generator states saved in its checkpoint.
     """
     pl.seed_everything(seed, workers=True, verbose=False)
     log = log or NeMoLogger()
-    if optim is not None:
-        model.optim = optim
+    resume = resume or AutoResume()
     log.setup(trainer)
-    ckpt_path = (resume or AutoResume()).find_checkpoint(log.checkpoint_dir)
+    if not any(isinstance(callback, RNGStateCallback) for callback in trainer.callbacks):
+        trainer.callbacks.append(RNGStateCallback())
+    ckpt_path = resume.find_checkpoint(log.checkpoint_dir)
+    model = resume.restore_model(ckpt_path, model)
+    if optim is not None:
+        io.set_init_arg(model, "optim", optim)
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     return log.checkpoint_dir

@@ -1,47 +1,102 @@
-"""`checkpoints.json`: the record of every checkpoint in a directory, so nothing parses directory names."""
+"""`checkpoints.json`: the record of every checkpoint in a directory, so nothing parses directory names.
+
+A checkpoint's record goes through three states, each written atomically before the file-system change it
+announces: `saving` (its data is being written under a temporary name), `complete` (renamed to its name;
+loadable), `deleting` (about to be, or being, removed). Records are kept in the order saves started, which
+is also the order they complete, so the last complete record is the newest checkpoint.
+"""
 
 import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from nemo_ckpt.checkpoint_io import weights_dir
+
 MANIFEST_NAME = "checkpoints.json"
+STATES = ("saving", "complete", "deleting")
 
 
 @dataclass
 class CheckpointRecord:
+    """One checkpoint: its directory name, the global step and epoch it holds, and the metrics it was saved with."""
+
     name: str
     step: int
     epoch: int
     metrics: dict[str, float] = field(default_factory=dict)
+    state: str = "saving"
+    weights_only: bool = False
+
+    def __post_init__(self) -> None:
+        if self.state not in STATES:
+            raise ValueError(f"CheckpointRecord {self.name!r}: state={self.state!r} is not one of {STATES}")
 
 
 @dataclass
 class Manifest:
-    """Complete checkpoints, oldest first, and which of them is `-last`."""
+    """Every checkpoint of a directory, in save order, and which of them `<name>-last` points to."""
 
     checkpoints: list[CheckpointRecord] = field(default_factory=list)
     last: str | None = None
 
     @classmethod
     def read(cls, directory: str | Path) -> "Manifest":
+        """The manifest of `directory`; an empty one if there is none."""
         path = Path(directory) / MANIFEST_NAME
         if not path.exists():
             return cls()
         try:
             raw = json.loads(path.read_text())
             return cls([CheckpointRecord(**record) for record in raw["checkpoints"]], raw.get("last"))
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
             raise ValueError(f"{path} is not a valid checkpoint manifest ({error}); fix or remove it") from error
 
     def write(self, directory: str | Path) -> None:
-        """Replace the manifest atomically: readers see the old or the new file, never a partial one."""
+        """Replace the manifest atomically and durably: readers see the old or the new file, never a partial one."""
         path = Path(directory) / MANIFEST_NAME
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"checkpoints": [asdict(r) for r in self.checkpoints], "last": self.last}, indent=1))
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        tmp = path.with_name(f".tmp-{MANIFEST_NAME}")
+        payload = json.dumps({"checkpoints": [asdict(r) for r in self.checkpoints], "last": self.last}, indent=1)
+        try:
+            with open(tmp, "w") as handle:
+                handle.write(payload)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_directory(path.parent)
+
+    def get(self, name: str) -> CheckpointRecord | None:
+        return next((record for record in self.checkpoints if record.name == name), None)
+
+    def add(self, record: CheckpointRecord) -> None:
+        """Append `record`, replacing any record of the same name."""
+        self.checkpoints = [r for r in self.checkpoints if r.name != record.name] + [record]
+
+    def remove(self, name: str) -> None:
+        self.checkpoints = [r for r in self.checkpoints if r.name != name]
+
+    def complete(self) -> list[CheckpointRecord]:
+        """Complete checkpoints, oldest first."""
+        return [record for record in self.checkpoints if record.state == "complete"]
 
     def newest(self) -> CheckpointRecord | None:
-        return max(self.checkpoints, key=lambda record: record.step, default=None)
+        """The most recently completed checkpoint."""
+        complete = self.complete()
+        return complete[-1] if complete else None
+
+
+def fsync_directory(directory: str | Path) -> None:
+    """Make renames and new entries in `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_complete(checkpoint: str | Path) -> bool:
+    """A checkpoint is complete once its `weights/metadata.json` is written, which happens last."""
+    return (weights_dir(checkpoint) / "metadata.json").is_file()

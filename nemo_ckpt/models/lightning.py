@@ -4,11 +4,12 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 
+from nemo_ckpt.io import IOMixin
 from nemo_ckpt.models.gpt import GPT, GPTConfig
 from nemo_ckpt.optim import OptimizerConfig
 
 
-class GPTModel(pl.LightningModule):
+class GPTModel(IOMixin, pl.LightningModule):
     """Next-token prediction with the model built in `configure_model` (so strategies may build it on `meta`)."""
 
     def __init__(self, config: GPTConfig, optim: OptimizerConfig | None = None) -> None:
