@@ -68,8 +68,8 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor (collective for a DTensor)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
+    """A copy of the whole tensor (collective for a DTensor; `full_tensor()` of a replicated one is an alias)."""
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
 
 
 def full_model_and_optimizer_state(model: GPT, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
