@@ -35,7 +35,7 @@ def register_default_strategy(action: StrategyAction, backend: str, version: int
 
 
 def _register_builtin_strategies() -> None:
-    from . import common, torch  # noqa: F401  (modules register themselves on import)
+    from . import common, torch, zarr  # noqa: F401  (modules register themselves on import)
 
 
 def get_default_strategy(action: StrategyAction, backend: str, version: int) -> Any:
