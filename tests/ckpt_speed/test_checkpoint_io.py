@@ -1,0 +1,81 @@
+"""DistCheckpointIO's ckpt_* options: errors for bad values, async completion at finalize, and the tiny recipe
+trained with async / parallel options on 2 ranks, killed and resumed bit-identically."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_ckpt import dist_checkpointing as dc
+from nemo_ckpt.checkpoint_io import DistCheckpointIO
+from tests.test_train_resume import checkpoints, losses, step_dir, torchrun_tiny
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_bad_options_name_the_option():
+    with pytest.raises(ValueError, match="save_ckpt_format='zarr'"):
+        DistCheckpointIO(save_ckpt_format="zarr")
+    with pytest.raises(ValueError, match="ckpt_torch_dist_multiproc=0"):
+        DistCheckpointIO(torch_dist_multiproc=0)
+    with pytest.raises(ValueError, match="strict"):
+        DistCheckpointIO(load_strictness="sometimes")
+
+
+def test_async_checkpoint_io_finalizes_at_maybe_finalize_and_teardown(tmp_path):
+    io = DistCheckpointIO(async_save=True, parallel_save=True, parallel_load=True, torch_dist_multiproc=2,
+                          assume_constant_structure=True)
+    committed = []
+    for step in range(3):
+        weights = torch.full((4, 4), float(step))
+        io.save_checkpoint({"w": dc.ShardedTensor.from_rank_offsets("w", weights), "step": step}, tmp_path / f"s{step}",
+                           storage_options={"finalize_fn": lambda step=step: committed.append(step)})
+        weights.add_(100)
+    assert committed == [0, 1], "a new save first completes the one in flight"
+    io.teardown()
+    assert committed == [0, 1, 2]
+    loaded = io.load_checkpoint(tmp_path / "s2", sharded_state_dict={
+        "w": dc.ShardedTensor.from_rank_offsets("w", torch.zeros(4, 4))})
+    assert torch.equal(loaded["w"], torch.full((4, 4), 2.0)) and loaded["step"] == 2
+
+
+def torchrun_with_options(directory: Path, max_steps: int, options: dict, kill_at_step: int | None = None) -> int:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+               "tests.ckpt_speed.tiny_run_options", str(directory), str(max_steps), json.dumps(options)]
+    command += [str(kill_at_step)] if kill_at_step is not None else []
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, timeout=300).returncode
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("reference")
+    assert torchrun_tiny(directory, max_steps=10) == 0
+    return directory
+
+
+@pytest.mark.parametrize("options", [
+    {"ckpt_async_save": True},
+    {"ckpt_parallel_save": True, "ckpt_parallel_load": True, "ckpt_parallel_save_optim": True,
+     "ckpt_torch_dist_multiproc": 2, "ckpt_assume_constant_structure": True},
+], ids=["async", "parallel"])
+def test_killed_run_with_options_resumes_like_the_reference(reference, tmp_path, options):
+    assert torchrun_with_options(tmp_path, 10, options, kill_at_step=7) != 0
+    manifest = json.loads((checkpoints(tmp_path) / "checkpoints.json").read_text())
+    assert [record["step"] for record in manifest["checkpoints"]] == [5], "step 5 was committed during training"
+    assert torchrun_with_options(tmp_path, 10, options) == 0
+    assert min(losses(tmp_path)) == 5
+    assert losses(tmp_path) == {step: loss for step, loss in losses(reference).items() if step >= 5}
+    files_per_rank = options.get("ckpt_torch_dist_multiproc", 1)
+    weights = step_dir(tmp_path, 10) / "weights"
+    assert (weights / "metadata.json").is_file()
+    assert len(list(weights.glob("*.distcp"))) == 2 * files_per_rank
+    expected = dc.load_plain_tensors(step_dir(reference, 10) / "weights")
+    resumed = dc.load_plain_tensors(weights)
+    assert expected.keys() == resumed.keys()
+    assert all(torch.equal(expected[key], resumed[key]) for key in expected)
+    assert not list(checkpoints(tmp_path).glob(".tmp-*"))
