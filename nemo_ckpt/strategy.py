@@ -42,6 +42,10 @@ class MegatronStrategy(DDPStrategy):
         )
         super().__init__(checkpoint_io=checkpoint_io, **ddp_kwargs)
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int, *args: Any) -> None:
+        self.checkpoint_io.maybe_finalize(blocking=False)  # complete async saves that have been written
+        super().on_train_batch_start(batch, batch_idx, *args)
+
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True
