@@ -34,17 +34,17 @@ def dtensor_to_sharded_tensor(key: str, tensor: DTensor, outer_replica_id: int |
         tensor: a DTensor without `Partial` placements.
         outer_replica_id: for a DTensor on a mesh that does not span all ranks (a `tp`-mesh DTensor replicated by
             plain data parallelism), this rank's copy of that mesh, e.g. its dp rank; 0 marks the copy that is
-            saved. Not needed when the mesh spans all ranks.
+            saved. Ignored when the mesh spans all ranks (there is one copy).
     """
     mesh, placements = tensor.device_mesh, tensor.placements
     if any(placement.is_partial() for placement in placements):
         raise ValueError(f"{key}: cannot checkpoint a DTensor with Partial placements {placements}; "
                          "redistribute it to Shard/Replicate first")
-    if outer_replica_id is None:
-        if mesh.size() != _world_size():
-            raise ValueError(f"{key}: the DTensor's mesh has {mesh.size()} of {_world_size()} ranks; pass "
-                             "outer_replica_id (this rank's copy of the mesh, e.g. its data-parallel rank)")
+    if mesh.size() == _world_size():
         outer_replica_id = 0
+    elif outer_replica_id is None:
+        raise ValueError(f"{key}: the DTensor's mesh has {mesh.size()} of {_world_size()} ranks; pass "
+                         "outer_replica_id (this rank's copy of the mesh, e.g. its data-parallel rank)")
     local = tensor.to_local()
     local_shape, global_offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
     if tuple(local.shape) != tuple(local_shape):

@@ -92,10 +92,12 @@ def reject_partial(rank: int, world_size: int) -> str:
     sh_ten = dtensor_to_sharded_tensor("sub_mesh", distribute_tensor(torch.ones(4), sub_mesh, [Shard(0)]),
                                        outer_replica_id=rank)
     assert sh_ten.replica_id == (rank,)
+    whole_mesh = distribute_tensor(torch.ones(4), mesh, [Replicate()])
+    assert dtensor_to_sharded_tensor("whole_mesh", whole_mesh, outer_replica_id=rank).replica_id == (0, rank)
     return str(partial_error.value)
 
 
-def test_partial_dtensor_and_sub_mesh_without_replica_id_are_rejected():
+def test_partial_dtensor_and_sub_mesh_without_outer_replica_id_are_rejected():
     [message, _] = run_distributed(reject_partial, 2)
     assert message.startswith("partial: cannot checkpoint a DTensor with Partial placements")
 
