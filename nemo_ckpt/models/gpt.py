@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -23,8 +24,14 @@ class GPTConfig:
     layernorm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     share_embeddings_and_output_weights: bool = False
+    recompute_granularity: str | None = None
 
     def __post_init__(self) -> None:
+        if self.recompute_granularity not in (None, "full"):
+            raise ValueError(
+                f"GPTConfig.recompute_granularity={self.recompute_granularity!r}: use None or 'full' "
+                "(recompute every transformer layer in backward)"
+            )
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.hidden_size % self.num_attention_heads:
@@ -71,6 +78,33 @@ def gpt_config(size: str = "tiny", **overrides) -> GPTConfig:
     return replace(PRESETS[size], **overrides)
 
 
+class Linear(nn.Linear):
+    """A bias-free linear layer whose `reset_parameters` is Megatron's normal(0, `init_std`) init."""
+
+    def __init__(self, in_features: int, out_features: int, init_std: float) -> None:
+        self.init_std = init_std
+        super().__init__(in_features, out_features, bias=False)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+
+
+class Embedding(nn.Embedding):
+    """An embedding whose `reset_parameters` is Megatron's normal(0, `init_std`) init."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, init_std: float) -> None:
+        self.init_std = init_std
+        super().__init__(num_embeddings, embedding_dim)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+
+
+def output_init_std(config: GPTConfig) -> float:
+    """Megatron's init std of the projections into the residual stream (o_proj, down_proj)."""
+    return config.init_method_std / math.sqrt(2.0 * config.num_layers)
+
+
 def rotary_tables(config: GPTConfig, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / config.rotary_base ** (torch.arange(0, config.head_dim, 2, device=device).float() / config.head_dim)
     angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
@@ -88,10 +122,11 @@ class Attention(nn.Module):
         super().__init__()
         self.config = config
         kv_dim = config.num_query_groups * config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=False)
-        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        std = config.init_method_std
+        self.q_proj = Linear(config.hidden_size, config.hidden_size, std)
+        self.k_proj = Linear(config.hidden_size, kv_dim, std)
+        self.v_proj = Linear(config.hidden_size, kv_dim, std)
+        self.o_proj = Linear(config.hidden_size, config.hidden_size, output_init_std(config))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -107,9 +142,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
-        self.down_proj = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False)
+        std = config.init_method_std
+        self.gate_proj = Linear(config.hidden_size, config.ffn_hidden_size, std)
+        self.up_proj = Linear(config.hidden_size, config.ffn_hidden_size, std)
+        self.down_proj = Linear(config.ffn_hidden_size, config.hidden_size, output_init_std(config))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -134,31 +170,33 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embedding = Embedding(config.vocab_size, config.hidden_size, config.init_method_std)
         self.layers = nn.ModuleList(TransformerLayer(config) for _ in range(config.num_layers))
         self.final_layernorm = nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
         self.output_layer = None
         if not config.share_embeddings_and_output_weights:
-            self.output_layer = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.reset_parameters()
+            self.output_layer = Linear(config.hidden_size, config.vocab_size, config.init_method_std)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Megatron's init: normal(std) weights, output projections scaled by 1/sqrt(2 * layers)."""
-        std = self.config.init_method_std
-        scaled_std = std / math.sqrt(2.0 * self.config.num_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                is_output_proj = name.endswith(("o_proj", "down_proj"))
-                nn.init.normal_(module.weight, mean=0.0, std=scaled_std if is_output_proj else std)
-            elif isinstance(module, nn.RMSNorm):
+        """Megatron's init: normal(std) weights, output projections scaled by 1/sqrt(2 * layers).
+
+        Each submodule initializes its own parameters when built and in `reset_parameters`, in module order, so
+        a model built eagerly, re-initialized, or built on `meta` and materialized module by module
+        (`to_empty` + `reset_parameters`) from the same random state gets the same values.
+        """
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_parameters"):
                 module.reset_parameters()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         cos, sin = rotary_tables(self.config, tokens.shape[1], tokens.device)
         x = self.embedding(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            if self.config.recompute_granularity == "full" and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
         x = self.final_layernorm(x)
         if self.output_layer is None:
             return F.linear(x, self.embedding.weight)

@@ -1,0 +1,73 @@
+"""Train the tiny GPT with `MegatronStrategy` inside a `run_distributed` rank (a plain Trainer, no recipe)."""
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+
+from nemo_ckpt.data import MockDataModule
+from nemo_ckpt.ddp_config import DistributedDataParallelConfig
+from nemo_ckpt.models import GPTModel, gpt_config
+from nemo_ckpt.optim import OptimizerConfig
+from nemo_ckpt.strategy import MegatronStrategy
+
+GLOBAL_BATCH_SIZE = 4
+
+
+class RecordLoss(pl.Callback):
+    """The data-parallel mean loss of every step."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.losses.append(float(trainer.callback_metrics["reduced_train_loss"]))
+
+
+class SaveAtStart(pl.Callback):
+    """Save a checkpoint to `path` before the first step (after any resume), to see what was loaded."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+class StopAndSave(pl.Callback):
+    """Stop after step `stop_at` (None: at `max_steps`) and save a checkpoint to `path`."""
+
+    def __init__(self, stop_at: int | None, path: Path | None) -> None:
+        self.stop_at = stop_at
+        self.path = path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.stop_at:
+            trainer.should_stop = True
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.path is not None:
+            trainer.save_checkpoint(self.path)
+
+
+def fit(world_size: int, ddp: dict[str, Any], max_steps: int, *, precision: str = "32-true",
+        ckpt_path: Path | None = None, stop_at: int | None = None, save_to: Path | None = None,
+        save_at_start: Path | None = None, model_overrides: dict[str, Any] | None = None,
+        **strategy_kwargs: Any) -> list[float]:
+    """Train towards `max_steps` (global batch 4, split over the ranks), resuming from `ckpt_path`, stopping
+    after step `stop_at`; save the loaded state to `save_at_start` and the final one to `save_to`.
+    Return the per-step losses."""
+    pl.seed_everything(1234, verbose=False)
+    config = gpt_config("tiny", **(model_overrides or {}))
+    strategy = MegatronStrategy(ddp=DistributedDataParallelConfig(**ddp), **strategy_kwargs)
+    recorder = RecordLoss()
+    callbacks = [recorder, StopAndSave(stop_at, save_to)] + ([SaveAtStart(save_at_start)] if save_at_start else [])
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=max_steps,
+                         precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, use_distributed_sampler=False, limit_val_batches=0,
+                         num_sanity_val_steps=0, callbacks=callbacks)
+    model = GPTModel(config, OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_steps=2))
+    data = MockDataModule(seq_length=config.seq_length, vocab_size=config.vocab_size,
+                          micro_batch_size=GLOBAL_BATCH_SIZE // world_size, global_batch_size=GLOBAL_BATCH_SIZE)
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    return recorder.losses
