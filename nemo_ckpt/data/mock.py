@@ -47,7 +47,9 @@ class PretrainingSampler(Sampler[list[int]]):
         return range(self.consumed_samples, max(last, self.consumed_samples), stride)
 
     def __len__(self) -> int:
-        return len(self._starts())
+        """Micro-batches of the whole pass, consumed ones included (as Megatron's sampler): a resumed Lightning
+        epoch counts its batches from the epoch's start, so it ends where the uninterrupted one does."""
+        return self.total_samples // (self.micro_batch_size * self.data_parallel_size)
 
     def __iter__(self) -> Iterator[list[int]]:
         offset = self.data_parallel_rank * self.micro_batch_size
