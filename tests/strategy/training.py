@@ -53,7 +53,7 @@ class StopAndSave(pl.Callback):
 def fit(world_size: int, ddp: dict[str, Any], max_steps: int, *, precision: str = "32-true",
         ckpt_path: Path | None = None, stop_at: int | None = None, save_to: Path | None = None,
         save_at_start: Path | None = None, model_overrides: dict[str, Any] | None = None,
-        **strategy_kwargs: Any) -> list[float]:
+        callbacks: list[pl.Callback] | None = None, **strategy_kwargs: Any) -> list[float]:
     """Train towards `max_steps` (global batch 4, split over the ranks), resuming from `ckpt_path`, stopping
     after step `stop_at`; save the loaded state to `save_at_start` and the final one to `save_to`.
     Return the per-step losses."""
@@ -61,7 +61,9 @@ def fit(world_size: int, ddp: dict[str, Any], max_steps: int, *, precision: str 
     config = gpt_config("tiny", **(model_overrides or {}))
     strategy = MegatronStrategy(ddp=DistributedDataParallelConfig(**ddp), **strategy_kwargs)
     recorder = RecordLoss()
-    callbacks = [recorder, StopAndSave(stop_at, save_to)] + ([SaveAtStart(save_at_start)] if save_at_start else [])
+    callbacks = [recorder, StopAndSave(stop_at, save_to), *(callbacks or [])]
+    if save_at_start is not None:
+        callbacks.append(SaveAtStart(save_at_start))
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=max_steps,
                          precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, use_distributed_sampler=False, limit_val_batches=0,
