@@ -203,11 +203,13 @@ class ModelCheckpoint(Callback):
             trainer.save_checkpoint(tmp, weights_only=weights_only,
                                     storage_options={"finalize_fn": lambda: self._commit(trainer, record)})
         except Exception as error:
+            free_mib = shutil.disk_usage(self.dirpath).free / 2**20
             if trainer.is_global_zero:
                 self._abort(record, tmp)
             raise RuntimeError(f"ModelCheckpoint could not save step {record.step} to {self.dirpath / name}: "
-                               f"{error}. The directory may be full or unwritable; earlier checkpoints in "
-                               f"{self.dirpath} are intact, resume from them once it is fixed") from error
+                               f"{error}. The directory may be full ({free_mib:.1f} MiB free) or unwritable; "
+                               f"earlier checkpoints in {self.dirpath} are intact, resume from them once it is "
+                               "fixed") from error
         return self.dirpath / name
 
     def _begin(self, record: CheckpointRecord, tmp: Path, trainer: pl.Trainer) -> None:
