@@ -9,6 +9,12 @@ Behaviour of NeMo-Run 0.11.1 worth knowing:
 
 * every job is submitted as ``sbatch --requeue --parsable``; ``retries`` makes the batch
   script requeue itself after a failed run, ``signal="USR1@60"`` adds ``--signal``;
+* Slurm sends ``--signal`` to every process of the job steps: torchrun and its workers.
+  torchrun dies of SIGUSR1 unless told to handle it, so ``slurm_executor`` adds the signal
+  to ``PET_SIGNALS_TO_HANDLE`` and sets ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` to its lead time:
+  torchrun then forwards it and waits that long for the workers, whose
+  ``nemo_ckpt.preemption.PreemptionCallback`` checkpoints, stops and requeues the job.
+  ``B:`` (batch shell only) is refused: NeMo-Run's batch script does not trap it and dies;
 * ``env_vars`` become unquoted ``export KEY=value`` lines, so ``$VAR`` expands there;
 * ``container_*`` need Pyxis on the cluster; without an image srun runs in the job dir,
   and NeMo-Run replaces every ``/nemo_run`` in the sbatch script by the job dir, so the
@@ -18,20 +24,25 @@ Behaviour of NeMo-Run 0.11.1 worth knowing:
   to the experiment dir and submitted from the tunnel's job dir;
 * waiting for a job (``exp.run()`` without ``detach=True``) and ``nemo experiment
   status/logs`` query ``sacct``, which needs Slurm accounting (slurmdbd); without it
-  they see UNKNOWN, but the logs are still written to
-  ``<job dir>/log-nemo_ckpt.<task>_<job id>_<restart>.out``.
+  they see UNKNOWN. Logs are written to
+  ``<job dir>/log-nemo_ckpt.<task>_<job id>_<restart>.out``, one file per (re)start.
 """
 
 import re
 import shlex
+import socket
 from dataclasses import asdict
 from typing import Any, Optional
 
 import nemo_run as run
 from nemo_run.config import RUNDIR_NAME, get_nemorun_home
 
+from nemo_ckpt.preemption import signal_number
+
 _TIME = re.compile(r"^(\d+-\d+(:[0-5]\d){0,2}|\d+(:[0-5]\d){0,2})$")
-_SIGNAL = re.compile(r"^([RB]{1,2}:)?[A-Z0-9]+(@\d+)?$")
+_SIGNAL = re.compile(r"^(?P<flags>[RB]{1,2}:)?(?P<name>[A-Z0-9]+)(@(?P<seconds>\d+))?$")
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default PET_SIGNALS_TO_HANDLE
+SLURM_DEFAULT_SIGNAL_SECONDS = 60
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 JOB_NAME_PREFIX = "nemo_ckpt."
 
@@ -50,6 +61,7 @@ def slurm_executor(
     host: Optional[str] = None,
     user: Optional[str] = None,
     identity: Optional[str] = None,
+    port: Optional[int] = None,
     job_dir: str = "",
     packager: Optional[run.Packager] = None,
     signal: Optional[str] = None,
@@ -58,17 +70,18 @@ def slurm_executor(
 ) -> run.SlurmExecutor:
     """A validated ``run.SlurmExecutor`` running torchrun with ``ntasks_per_node`` ranks per node.
 
-    ``host``/``user``/``job_dir`` select an SSH tunnel to a login node (``job_dir`` is the
-    cluster-side experiments dir); without ``host`` jobs are submitted with the local
-    ``sbatch``. ``partition=None`` uses the cluster's default partition. The default
+    ``host``/``user``/``job_dir`` (``identity``, ``port``) select an SSH tunnel to a login node
+    (``job_dir`` is the cluster-side experiments dir); without ``host`` jobs are submitted
+    with the local ``sbatch``. ``signal="USR1@120"`` asks Slurm for SIGUSR1 120 s before the
+    time limit, on which the recipe's ``PreemptionCallback`` checkpoints and requeues the job. ``partition=None`` uses the cluster's default partition. The default
     packager ships no code: the job runs with the code and Python already on the
     cluster (shared file system or ``container_image``). torchrun is the only task per
     node, so ``cpus_per_task`` is the CPU share of all ranks on a node.
     """
-    if (user or identity) and not host:
-        raise ValueError("invalid Slurm executor: user/identity need host (SSH tunnel)")
+    if (user or identity or port) and not host:
+        raise ValueError("invalid Slurm executor: user/identity/port need host (SSH tunnel)")
     if host:
-        tunnel = run.SSHTunnel(host=host, user=user, job_dir=job_dir, identity=identity)
+        tunnel = run.SSHTunnel(host=host, user=user, job_dir=job_dir, identity=identity, port=port)
     else:
         tunnel = run.LocalTunnel(job_dir=job_dir)
     executor = run.SlurmExecutor(
@@ -83,7 +96,7 @@ def slurm_executor(
         time=time,
         container_image=container_image,
         container_mounts=list(container_mounts or []),
-        env_vars=dict(env_vars or {}),
+        env_vars=torchrun_signal_env(signal) | dict(env_vars or {}),
         signal=signal,
         retries=retries,
         additional_parameters=additional_parameters,
@@ -94,6 +107,20 @@ def slurm_executor(
     )
     validate(executor)
     return executor
+
+
+def torchrun_signal_env(slurm_signal: Optional[str]) -> dict[str, str]:
+    """Env vars that make torchrun forward ``--signal``'s signal and wait its lead time for the workers."""
+    match = _SIGNAL.match(slurm_signal or "")
+    if not match:
+        return {}
+    try:
+        name = signal_number(match["name"]).name
+    except ValueError:
+        return {}
+    seconds = match["seconds"] or str(SLURM_DEFAULT_SIGNAL_SECONDS)
+    handled = TORCHRUN_SIGNALS if name in TORCHRUN_SIGNALS.split(",") else f"{TORCHRUN_SIGNALS},{name}"
+    return {"PET_SIGNALS_TO_HANDLE": handled, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": seconds}
 
 
 def validate(executor: run.SlurmExecutor) -> None:
@@ -129,8 +156,17 @@ def validate(executor: run.SlurmExecutor) -> None:
                       "in sbatch scripts of jobs without a container")
     if isinstance(e.tunnel, run.SSHTunnel) and not (e.tunnel.user and e.tunnel.job_dir):
         errors.append("an SSH tunnel (host) needs user and job_dir")
-    if e.signal is not None and not _SIGNAL.match(e.signal):
-        errors.append(f"signal {e.signal!r} is not [R|B:]SIG[@seconds], e.g. USR1@60")
+    signal_match = _SIGNAL.match(e.signal or "")
+    if e.signal is not None and not signal_match:
+        errors.append(f"signal {e.signal!r} is not [R:]SIG[@seconds], e.g. USR1@60")
+    elif signal_match and "B" in (signal_match["flags"] or ""):
+        errors.append(f"signal {e.signal!r} goes to the batch shell only, which NeMo-Run's sbatch script does "
+                      f"not trap (the job dies); drop 'B:' so torchrun and the workers get it, e.g. USR1@60")
+    elif signal_match:
+        try:
+            signal_number(signal_match["name"])
+        except ValueError as error:
+            errors.append(f"signal {e.signal!r}: {error}")
     if e.retries < 0:
         errors.append(f"retries must be >= 0, got {e.retries}")
     if errors:
@@ -153,17 +189,29 @@ def sbatch_options(executor: run.SlurmExecutor) -> list[str]:
             for k, v in sorted(params.items())]
 
 
-def check_submittable(executor: run.SlurmExecutor) -> str:
-    """Ask the cluster (``sbatch --test-only``) whether the executor's resources can be granted.
+def check_submittable(executor: run.SlurmExecutor, timeout: float = 10) -> str:
+    """Ask the cluster (``sbatch --test-only``) whether the executor's job can be granted; submit nothing.
 
+    Checks first that an SSH tunnel's host answers on its port within ``timeout`` seconds.
     Catches unknown partitions, node counts and GPUs no partition has, and (where the
-    cluster enforces them) accounts and time limits above the partition's MaxTime,
-    without queueing anything. Returns sbatch's estimate; raises ``ValueError`` with
-    sbatch's message otherwise.
+    cluster enforces them) missing or unknown accounts and time limits above the
+    partition's MaxTime. Returns sbatch's estimate; raises ``ValueError`` saying what to fix.
     """
+    tunnel = executor.tunnel
+    if isinstance(tunnel, run.SSHTunnel):
+        address = (tunnel.host, tunnel.port or 22)
+        try:
+            socket.create_connection(address, timeout=timeout).close()
+        except OSError as error:
+            raise ValueError(f"SSH tunnel: cannot reach {tunnel.host}:{address[1]} ({error}); "
+                             "check host/port, or your VPN") from error
     cmd = ["sbatch", "--test-only", *sbatch_options(executor), "--wrap=true"]
-    result = executor.tunnel.run(shlex.join(cmd), hide=True, warn=True, in_stream=False)
+    result = tunnel.run(shlex.join(cmd), hide=True, warn=True, in_stream=False)
     message = (result.stderr + result.stdout).strip()
     if result.return_code != 0:
-        raise ValueError(f"Slurm rejects this job ({shlex.join(cmd)}): {message}")
+        hint = ""
+        if "account" in message.lower():
+            hint = (f"; set account= to one of your Slurm accounts (account={executor.account!r} is not one; "
+                    "`sacctmgr show assoc user=$USER format=account` lists them)")
+        raise ValueError(f"Slurm rejects this job ({shlex.join(cmd)}): {message}{hint}")
     return message

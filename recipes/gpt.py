@@ -3,6 +3,7 @@
     recipe = pretrain_recipe(name="demo", num_gpus_per_node=2)
     recipe.trainer.max_steps = 20
     recipe.trainer.strategy.save_ckpt_format = "torch_dist"
+    recipe.trainer.strategy.ddp.data_parallel_sharding_strategy = "optim_grads_params"
 """
 
 
@@ -11,23 +12,36 @@ import nemo_run as run
 
 from nemo_ckpt.api import pretrain
 from nemo_ckpt.data import MockDataModule
+from nemo_ckpt.ddp_config import DistributedDataParallelConfig
 from nemo_ckpt.logger import NeMoLogger
 from nemo_ckpt.model_checkpoint import ModelCheckpoint
 from nemo_ckpt.models import GPTModel, gpt_config
 from nemo_ckpt.optim import OptimizerConfig
+from nemo_ckpt.preemption import PreemptionCallback
 from nemo_ckpt.resume import AutoResume
 from nemo_ckpt.strategy import MegatronStrategy
 
 
+def ddp(data_parallel_sharding_strategy: str = "no_shard") -> run.Config[DistributedDataParallelConfig]:
+    """NeMo's recipe defaults: NaN checks, fp32 gradient reduction, overlapped communication."""
+    return run.Config(DistributedDataParallelConfig, data_parallel_sharding_strategy=data_parallel_sharding_strategy,
+                      check_for_nan_in_grad=True, grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+                      overlap_param_gather=data_parallel_sharding_strategy != "no_shard", average_in_collective=True)
+
+
 def trainer(num_nodes: int = 1, num_gpus_per_node: int = 2, max_steps: int = 20,
-            val_check_interval: int = 10, ckpt_every_n_steps: int = 10) -> run.Config[pl.Trainer]:
-    """A Lightning Trainer on `MegatronStrategy`; `num_gpus_per_node` is the processes per node on CPU."""
+            val_check_interval: int = 10, ckpt_every_n_steps: int = 10,
+            data_parallel_sharding_strategy: str = "no_shard") -> run.Config[pl.Trainer]:
+    """A Lightning Trainer on `MegatronStrategy`; `num_gpus_per_node` is the processes per node on CPU.
+
+    `PreemptionCallback` checkpoints, stops and requeues the Slurm job on SIGUSR1 (`--signal=USR1@N`).
+    """
     return run.Config(
         pl.Trainer,
         accelerator="auto",
         devices=num_gpus_per_node,
         num_nodes=num_nodes,
-        strategy=run.Config(MegatronStrategy),
+        strategy=run.Config(MegatronStrategy, ddp=ddp(data_parallel_sharding_strategy)),
         max_steps=max_steps,
         val_check_interval=val_check_interval,
         check_val_every_n_epoch=None,
@@ -39,7 +53,7 @@ def trainer(num_nodes: int = 1, num_gpus_per_node: int = 2, max_steps: int = 20,
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
-        callbacks=[],
+        callbacks=[run.Config(PreemptionCallback)],
     )
 
 
@@ -79,6 +93,10 @@ def small(name: str = "small", dir: str | None = None, num_nodes: int = 1, num_g
 @run.cli.factory(target=pretrain, name="llama3_8b")
 def llama3_8b(name: str = "llama3_8b", dir: str | None = None, num_nodes: int = 1,
               num_gpus_per_node: int = 8) -> run.Partial:
-    """Llama 3 8B shapes (config only: needs GPUs and, later, FSDP)."""
-    return pretrain_recipe(name, dir, num_nodes, num_gpus_per_node, model_size="llama3_8b", max_steps=1000,
-                           micro_batch_size=1, global_batch_size=512)
+    """Llama 3 8B shapes (needs GPUs): FSDP2 with full sharding, built on `meta`, bf16 mixed precision."""
+    recipe = pretrain_recipe(name, dir, num_nodes, num_gpus_per_node, model_size="llama3_8b", max_steps=1000,
+                             micro_batch_size=1, global_batch_size=512)
+    recipe.trainer.strategy.ddp = ddp("optim_grads_params")
+    recipe.trainer.strategy.init_model_with_meta_device = True
+    recipe.trainer.precision = "bf16-mixed"
+    return recipe

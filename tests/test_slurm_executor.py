@@ -96,6 +96,20 @@ def test_sbatch_options_match_the_script(tmp_path: Path) -> None:
         "--open-mode=append", "--partition=debug", "--time=1-00:00:00"]
 
 
+def test_signal_makes_torchrun_forward_it_and_wait_its_lead_time(tmp_path: Path) -> None:
+    executor = slurm_executor(signal="USR1@90", env_vars={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"},
+                              job_dir=str(tmp_path / "experiments"))
+
+    script = sbatch_script(executor, tmp_path)
+
+    assert "#SBATCH --signal=USR1@90" in sbatch_lines(script)
+    assert "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1\n" in script
+    assert "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120\n" in script, "the user's env vars win"
+    assert slurm_executor(signal="TERM").env_vars == {
+        "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "60"}
+    assert slurm_executor().env_vars == {}
+
+
 def test_ssh_tunnel_from_host_user_job_dir() -> None:
     executor = slurm_executor(host="login.example.org", user="alice", job_dir="/lustre/alice/exp",
                               identity="~/.ssh/id_ed25519")
@@ -123,7 +137,9 @@ def test_default_packager_needs_no_git_repo() -> None:
     ({"container_image": "img", "container_mounts": ["/only-src"]}, "'/only-src' is not SRC:DST"),
     ({"env_vars": {"BAD-NAME": "1"}}, "'BAD-NAME' is not a shell identifier"),
     ({"host": "login"}, "SSH tunnel \\(host\\) needs user and job_dir"),
-    ({"user": "alice"}, "user/identity need host"),
+    ({"user": "alice"}, "user/identity/port need host"),
+    ({"signal": "B:USR1@60"}, "goes to the batch shell only.*drop .B:."),
+    ({"signal": "NOPE@60"}, "'NOPE' is not a signal name"),
     ({"signal": "USR1 at 60"}, "signal 'USR1 at 60' is not"),
     ({"retries": -1}, "retries must be >= 0"),
     ({"job_dir": "/scratch/nemo_run/exp"}, "contains '/nemo_run'"),
@@ -153,7 +169,8 @@ def test_cli_factory_builds_validated_executor() -> None:
     assert isinstance(executor, run.SlurmExecutor)
     assert (executor.nodes, executor.partition, executor.torchrun_nproc_per_node,
             executor.gpus_per_node, executor.signal, executor.env_vars) == (
-        2, "batch", 8, 8, "USR1@60", {"NCCL_DEBUG": "INFO"})
+        2, "batch", 8, 8, "USR1@60", {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+                                      "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "60", "NCCL_DEBUG": "INFO"})
 
     with pytest.raises(ValueError, match="nodes must be >= 1, got 0"):
         RunContext(name="test").parse_args(["executor=slurm", "executor.nodes=0"])

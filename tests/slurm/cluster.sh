@@ -1,26 +1,29 @@
 #!/usr/bin/env bash
 # A throwaway one-node Slurm cluster on this machine, for tests and CI.
 #
-#   cluster.sh install      apt-get Slurm 22.05 + munge if missing (needs root)
-#   cluster.sh start DIR    install, then run munged, slurmctld and slurmd with all
-#                           config/state/logs/pids in DIR; waits until the node is idle
-#                           and prints `export SLURM_CONF=DIR/slurm.conf` on stdout
+#   cluster.sh install      apt-get Slurm 22.05, slurmdbd, MariaDB and munge if missing (needs root)
+#   cluster.sh start DIR    install, then run munged, mariadbd, slurmdbd, slurmctld and slurmd
+#                           with all config/state/logs/pids in DIR; waits until the node is
+#                           idle and prints `export SLURM_CONF=DIR/slurm.conf` on stdout
 #   cluster.sh stop DIR     stop the daemons started from DIR, by PID
 #
-# Client commands (sbatch, srun, squeue, scontrol) find the cluster through SLURM_CONF;
-# eval the line `start` prints. No systemd, no accounting (sacct does not work).
+# Client commands (sbatch, srun, squeue, scontrol, sacct) find the cluster through SLURM_CONF;
+# eval the line `start` prints. No systemd. Accounting is on and enforced: root's jobs run
+# under account `nemo_ckpt` (its default), `other` or `root`; any other account is rejected.
+# Requeued jobs start again after ~6 s (cred_expire=5, scheduling every second), not 2 minutes.
 # Ports are picked free at first start, so several clusters can live side by side.
 set -euo pipefail
 export PATH="$PATH:/usr/sbin:/sbin"
 
-PACKAGES=(slurmctld slurmd slurm-client munge)
+PACKAGES=(slurmctld slurmd slurm-client slurmdbd mariadb-server munge)
 START_TIMEOUT=${SLURM_START_TIMEOUT:-60}
 
 die() { echo "cluster.sh: $*" >&2; exit 1; }
 
 install_slurm() {
     if command -v slurmctld >/dev/null && command -v slurmd >/dev/null \
-        && command -v sbatch >/dev/null && command -v munged >/dev/null; then
+        && command -v sbatch >/dev/null && command -v munged >/dev/null \
+        && command -v slurmdbd >/dev/null && command -v mariadbd >/dev/null; then
         return 0
     fi
     [[ $(id -u) -eq 0 ]] || die "Slurm is not installed and installing it needs root"
@@ -32,16 +35,18 @@ install_slurm() {
 
 port_in_use() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
-free_port_pair() {
+# Four consecutive free ports: slurmctld, slurmd, slurmdbd, mariadbd.
+free_ports() {
     local port
     for _ in $(seq 50); do
         port=$((20000 + RANDOM % 20000))
-        if ! port_in_use "$port" && ! port_in_use $((port + 1)); then
+        if ! port_in_use "$port" && ! port_in_use $((port + 1)) && ! port_in_use $((port + 2)) \
+            && ! port_in_use $((port + 3)); then
             echo "$port"
             return 0
         fi
     done
-    die "no free port pair found"
+    die "no four free ports found"
 }
 
 pid_alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
@@ -61,7 +66,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$dir/munge/munge.socket
+AuthInfo=socket=$dir/munge/munge.socket,cred_expire=5
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool/slurmd.%n
 SlurmctldPidFile=$dir/slurmctld.pid
@@ -73,11 +78,16 @@ SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort=$((port + 2))
+AccountingStoragePass=$dir/munge/munge.socket
+AccountingStorageEnforce=associations
 JobCompType=jobcomp/none
 MpiDefault=none
 SwitchType=switch/none
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=1,bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
@@ -88,6 +98,24 @@ KillWait=10
 NodeName=localhost NodeHostname=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=04:00:00 State=UP
 EOF
+    cat >"$dir/slurmdbd.conf" <<EOF
+# Written by tests/slurm/cluster.sh
+AuthType=auth/munge
+AuthInfo=socket=$dir/munge/munge.socket
+DbdHost=localhost
+DbdAddr=127.0.0.1
+DbdPort=$((port + 2))
+SlurmUser=root
+PidFile=$dir/slurmdbd.pid
+LogFile=$dir/log/slurmdbd.log
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$((port + 3))
+StorageUser=slurm
+StoragePass=$(cat "$dir/mysql.pass")
+StorageLoc=slurm_acct_db
+EOF
+    chmod 0600 "$dir/slurmdbd.conf"
 }
 
 start_munge() {
@@ -105,6 +133,45 @@ start_munge() {
         || die "munged failed: $(tail -n 20 "$dir/log/munged.log")"
 }
 
+# MariaDB with its data, socket and pid in DIR/mysql, on 127.0.0.1 only, and a `slurm` user for slurmdbd.
+start_mariadb() {
+    local dir=$1 port=$2
+    pid_alive "$dir/mysql/mariadbd.pid" && return 0
+    mkdir -p "$dir/mysql"
+    if [[ ! -d $dir/mysql/data/mysql ]]; then
+        mariadb-install-db --no-defaults --user=root --datadir="$dir/mysql/data" \
+            --auth-root-authentication-method=socket --skip-test-db >>"$dir/log/mariadb.log" 2>&1 \
+            || die "mariadb-install-db failed: $(tail -n 20 "$dir/log/mariadb.log")"
+    fi
+    mariadbd --no-defaults --user=root --datadir="$dir/mysql/data" --socket="$dir/mysql/mysqld.sock" \
+        --pid-file="$dir/mysql/mariadbd.pid" --bind-address=127.0.0.1 --port="$port" \
+        --log-error="$dir/log/mariadb.log" --skip-log-bin --innodb-buffer-pool-size=32M \
+        </dev/null >/dev/null 2>&1 &
+    for _ in $(seq $((START_TIMEOUT * 2))); do
+        mariadb --no-defaults --socket="$dir/mysql/mysqld.sock" -u root -e "SELECT 1" >/dev/null 2>&1 && break
+        sleep 0.5
+    done
+    mariadb --no-defaults --socket="$dir/mysql/mysqld.sock" -u root -e "
+        CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '$(cat "$dir/mysql.pass")';
+        GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';" 2>>"$dir/log/mariadb.log" \
+        || die "MariaDB did not start: $(tail -n 20 "$dir/log/mariadb.log")"
+}
+
+# slurmdbd, then the cluster, its accounts and root's association (slurmctld needs them to run jobs).
+start_slurmdbd() {
+    local dir=$1
+    pid_alive "$dir/slurmdbd.pid" && return 0
+    slurmdbd </dev/null >>"$dir/log/slurmdbd.log" 2>&1 || die "slurmdbd failed: $(tail -n 20 "$dir/log/slurmdbd.log")"
+    for _ in $(seq $((START_TIMEOUT * 2))); do
+        sacctmgr --noheader --parsable2 show cluster >/dev/null 2>&1 && break
+        sleep 0.5
+    done
+    sacctmgr -i add cluster nemockpt >/dev/null 2>&1 || true
+    sacctmgr -i add account nemo_ckpt,other cluster=nemockpt >/dev/null 2>&1 || true
+    sacctmgr -i add user root account=nemo_ckpt,other defaultaccount=nemo_ckpt cluster=nemockpt >/dev/null 2>&1 || true
+    [[ $(sacctmgr --noheader --parsable2 show user root format=defaultaccount 2>/dev/null) == nemo_ckpt ]] || die "slurmdbd accounts not set up: $(tail -n 20 "$dir/log/slurmdbd.log")"
+}
+
 wait_idle() {
     local dir=$1 state=""
     for _ in $(seq "$START_TIMEOUT"); do
@@ -113,7 +180,7 @@ wait_idle() {
         sleep 1
     done
     echo "cluster.sh: node not idle after ${START_TIMEOUT}s (state: '${state}')" >&2
-    for log in slurmctld slurmd munged; do
+    for log in slurmctld slurmd slurmdbd mariadb munged; do
         echo "--- $dir/log/$log.log (tail)" >&2
         tail -n 20 "$dir/log/$log.log" >&2 2>/dev/null || true
     done
@@ -121,15 +188,19 @@ wait_idle() {
 }
 
 start() {
-    local dir
+    local dir port
     dir=$(realpath -m "$1")
     install_slurm
     mkdir -p "$dir"/{state,spool,log}
-    export SLURM_CONF=$dir/slurm.conf
+    export SLURM_CONF=$dir/slurm.conf SLURM_DBD_CONF=$dir/slurmdbd.conf
     if ! pid_alive "$dir/slurmctld.pid" || ! pid_alive "$dir/slurmd.pid"; then
         stop "$dir" >/dev/null
-        write_conf "$dir" "$(free_port_pair)"
+        [[ -s $dir/mysql.pass ]] || (umask 077 && head -c 18 /dev/urandom | base64 | tr -d '/+=' >"$dir/mysql.pass")
+        port=$(free_ports)
+        write_conf "$dir" "$port"
         start_munge "$dir"
+        start_mariadb "$dir" $((port + 3))
+        start_slurmdbd "$dir"
         # -i: ignore job/node state left in DIR by an earlier run.
         slurmctld -i -f "$SLURM_CONF" </dev/null >>"$dir/log/slurmctld.log" 2>&1 \
             || die "slurmctld failed: $(tail -n 20 "$dir/log/slurmctld.log")"
@@ -167,6 +238,8 @@ stop() {
     stop_pidfile "$dir/slurmd.pid" &
     stop_pidfile "$dir/slurmctld.pid" &
     wait
+    stop_pidfile "$dir/slurmdbd.pid"
+    stop_pidfile "$dir/mysql/mariadbd.pid"
     stop_pidfile "$dir/munge/munged.pid"
     echo "stopped Slurm in $dir"
 }
