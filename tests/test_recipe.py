@@ -38,5 +38,6 @@ def test_cli_dryrun_prints_resolved_config():
     )
     assert result.returncode == 0, result.stderr
     out = "".join(result.stdout.split())
-    assert "max_steps=33" in out and "hidden_size=96" in out and "strategy=MegatronStrategy()" in out
+    assert "max_steps=33" in out and "hidden_size=96" in out and "strategy=MegatronStrategy(" in out
+    assert "ddp=DistributedDataParallelConfig(" in out
     assert "LocalExecutor(" in out and "launcher='torchrun'" in out and "ntasks_per_node=2" in out

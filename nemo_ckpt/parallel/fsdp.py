@@ -41,8 +41,10 @@ def apply_fsdp(roots: list[nn.Module], mesh: DeviceMesh, config: DistributedData
         materialize(root, device)
         # the root's parameters are used again right at the start of backward: keep them gathered
         fsdp_modules.append(fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy))
-    for module in fsdp_modules:
-        module.set_force_sum_reduction_for_comms(not config.average_in_collective)
+    if not config.average_in_collective and mesh.device_type == "cuda":
+        # NCCL would average in the collective; gloo has no AVG, so FSDP2 divides and sums there anyway
+        for module in fsdp_modules:
+            module.set_force_sum_reduction_for_comms(True)
     if config.overlap_param_gather:
         units = [module for module in fsdp_modules if module not in roots]
         for previous, following in zip(units, units[1:]):

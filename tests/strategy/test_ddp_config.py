@@ -8,6 +8,7 @@ import pytest
 from nemo_ckpt.ddp_config import DistributedDataParallelConfig
 from nemo_ckpt.models.gpt import TransformerLayer
 from nemo_ckpt.strategy import MegatronStrategy
+from recipes import gpt
 
 
 def test_recipe_style_config_builds_the_strategy():
@@ -51,3 +52,14 @@ def test_ddp_bucket_cap_follows_bucket_size_and_overlap():
     assert one_bucket.ddp_bucket_cap_mb(2, 4, 3 * 2**20) > 12.0
     with pytest.raises(ValueError, match=r"set ddp.bucket_size \(elements\) instead"):
         MegatronStrategy(bucket_cap_mb=25)
+
+
+def test_recipes_configure_data_parallelism():
+    tiny = gpt.tiny()
+    assert tiny.trainer.strategy.ddp.data_parallel_sharding_strategy == "no_shard"
+    tiny.trainer.strategy.ddp.data_parallel_sharding_strategy = "optim_grads_params"
+    tiny.trainer.strategy.ddp.overlap_param_gather = True
+    assert fdl.build(tiny.trainer.strategy).ddp_config.shards_parameters
+    large = gpt.llama3_8b()
+    assert large.trainer.strategy.ddp.data_parallel_sharding_strategy == "optim_grads_params"
+    assert large.trainer.strategy.init_model_with_meta_device and large.trainer.precision == "bf16-mixed"
