@@ -19,7 +19,9 @@ def pretrain(model: pl.LightningModule, data: pl.LightningDataModule, trainer: p
     """Train `model` on `data`, resuming as `resume` says; return the checkpoint directory.
 
     Every rank seeds its random generators with `seed`, so ranks build identical models and runs repeat; a
-    resumed run continues with the generator states saved in its checkpoint.
+    resumed run continues with the generator states saved in its checkpoint. With
+    `AutoResume(restore_config=True)` the model is rebuilt from the checkpoint's stored config; `optim` still
+    applies to it.
     """
     pl.seed_everything(seed, workers=True, verbose=False)
     log = log or NeMoLogger()

@@ -2,8 +2,8 @@
 
 A checkpoint's record goes through three states, each written atomically before the file-system change it
 announces: `saving` (its data is being written under a temporary name), `complete` (renamed to its name;
-loadable), `deleting` (about to be, or being, removed). Records are kept in the order saves started, which
-is also the order they complete, so the last complete record is the newest checkpoint.
+loadable), `deleting` (about to be, or being, removed). A record moves to the end of the list when it is added
+or completes, so the last complete record is the newest checkpoint, whatever its step.
 """
 
 import json

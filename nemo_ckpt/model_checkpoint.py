@@ -60,7 +60,7 @@ def run_on_rank_zero(trainer: pl.Trainer, fn: Callable[[], Any], what: str) -> A
     if trainer.is_global_zero:
         try:
             result = fn()
-        except Exception as exception:  # noqa: BLE001 - reported on every rank below
+        except Exception as exception:  # reported on every rank below
             error, cause = f"{what} failed: {type(exception).__name__}: {exception}", exception
     result, error = trainer.strategy.broadcast((result, error))
     if error is not None:
@@ -345,9 +345,12 @@ class ModelCheckpoint(Callback):
                 "resume from one; resume it (AutoResume(resume_if_exists=True)), or choose another dirpath or log "
                 "name, or remove them")
         for entry in self.dirpath.iterdir():
-            if entry.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and not entry.is_symlink():
+            if entry.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
                 log.warning("ModelCheckpoint: removing %s, left by an interrupted save or deletion", entry)
-                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
         deleting = []
         for record in list(manifest.checkpoints):
             if record.state == "deleting":

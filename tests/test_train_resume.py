@@ -58,6 +58,7 @@ def test_run_leaves_complete_checkpoints_with_last_link(uninterrupted):
         assert sorted(p.name for p in weights.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
         common = dist_checkpointing.load_common_state_dict(weights)
         assert common["global_step"] == step
+        assert (step_dir(uninterrupted, step) / "context" / "model.json").is_file()
     assert not list(checkpoints(uninterrupted).glob(".tmp-*"))
 
 

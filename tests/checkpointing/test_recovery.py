@@ -70,9 +70,10 @@ def test_checkpoint_renamed_but_not_yet_recorded_is_resumed_and_adopted(tmp_path
     assert manifest.last == "step=4" and visible(tmp_path) == ["step=2", "step=4", f"step=4{LAST_SUFFIX}"]
 
 
-def test_interrupted_deletion_is_finished(tmp_path):
+def test_interrupted_deletion_and_link_swap_are_cleaned_up(tmp_path):
     make_directory(tmp_path, record(2, "deleting"), record(4), last="step=4")
     fake_checkpoint(tmp_path / f"{TRASH_PREFIX}step=0")
+    (tmp_path / f"{TMP_PREFIX}step=2{LAST_SUFFIX}").symlink_to("step=2")
     assert AutoResume(resume_if_exists=True).find_checkpoint(tmp_path) == tmp_path / "step=4"
     ModelCheckpoint(dirpath=tmp_path, monitor="loss").recover(resumed=True)
     assert [r.name for r in Manifest.read(tmp_path).checkpoints] == ["step=4"]
