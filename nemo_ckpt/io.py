@@ -13,7 +13,7 @@ from typing import Any
 
 import fiddle as fdl
 import lightning.pytorch as pl
-from fiddle._src.experimental import serialization
+from fiddle.experimental import serialization
 
 from nemo_ckpt import dist_checkpointing
 from nemo_ckpt.checkpoint_io import weights_dir

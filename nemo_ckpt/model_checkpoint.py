@@ -127,6 +127,7 @@ class ModelCheckpoint(Callback):
         self.save_optim_on_train_end = save_optim_on_train_end
         self.filename = filename
         self._last_saved_step: int | None = None
+        self._last_saved_path: Path | None = None
         self._last_save_time = time.monotonic()
         self._validation_ran = False
 
@@ -144,6 +145,7 @@ class ModelCheckpoint(Callback):
         resumed = trainer.ckpt_path is not None
         run_on_rank_zero(trainer, lambda: self.recover(resumed), f"ModelCheckpoint: recovering {self.dirpath}")
         self._last_saved_step = trainer.global_step if resumed else None
+        self._last_saved_path = Path(trainer.ckpt_path) if resumed else None
         self._last_save_time = time.monotonic()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -161,12 +163,11 @@ class ModelCheckpoint(Callback):
         self._validation_ran = True
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.save_on_train_epoch_end and trainer.global_step != self._last_saved_step:
+        if self.save_on_train_epoch_end:
             self.save(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.global_step != self._last_saved_step:
-            self.save(trainer, weights_only=not self.save_optim_on_train_end)
+        self.save(trainer, weights_only=not self.save_optim_on_train_end)
 
     # Saving
 
@@ -191,13 +192,16 @@ class ModelCheckpoint(Callback):
         return self.filename.format(**fields), metrics
 
     def save(self, trainer: pl.Trainer, weights_only: bool = False) -> Path:
-        """Save the current step on all ranks; it becomes visible under the returned path once committed."""
+        """Save the current step on all ranks (unless it already is); it becomes visible under the returned path
+        once committed."""
+        if trainer.global_step == self._last_saved_step and self._last_saved_path is not None:
+            return self._last_saved_path
         name, metrics = run_on_rank_zero(trainer, lambda: self.format_name(trainer), "ModelCheckpoint: naming")
         record = CheckpointRecord(name, trainer.global_step, trainer.current_epoch, metrics, "saving", weights_only)
         tmp = self.dirpath / f"{TMP_PREFIX}{name}"
         run_on_rank_zero(trainer, lambda: self._begin(record, tmp, trainer),
                          f"ModelCheckpoint: preparing {tmp}")
-        self._last_saved_step = trainer.global_step
+        self._last_saved_step, self._last_saved_path = trainer.global_step, self.dirpath / name
         self._last_save_time = time.monotonic()
         try:
             trainer.save_checkpoint(tmp, weights_only=weights_only,
