@@ -1,6 +1,7 @@
 """launch.slurm.slurm_executor: the sbatch script NeMo-Run generates from it, and validation."""
 
 import io
+import socket
 import sys
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import nemo_run as run
 import pytest
 from nemo_run.cli.api import RunContext
 
-from launch.slurm import sbatch_options, slurm_executor
+from launch.slurm import check_submittable, sbatch_options, slurm_executor
 
 
 @pytest.fixture(autouse=True)
@@ -117,6 +118,16 @@ def test_ssh_tunnel_from_host_user_job_dir() -> None:
     assert (executor.tunnel.host, executor.tunnel.user, executor.tunnel.job_dir, executor.tunnel.identity) == (
         "login.example.org", "alice", "/lustre/alice/exp", "~/.ssh/id_ed25519")
     assert isinstance(slurm_executor().tunnel, run.LocalTunnel)
+
+
+def test_unreachable_ssh_tunnel_fails_before_submitting() -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    executor = slurm_executor(host="127.0.0.1", port=port, user="alice", job_dir="/lustre/alice/exp")
+
+    with pytest.raises(ValueError, match=f"SSH tunnel: cannot reach 127.0.0.1:{port} .*check host/port"):
+        check_submittable(executor, timeout=5)
 
 
 def test_default_packager_needs_no_git_repo() -> None:

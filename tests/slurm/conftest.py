@@ -1,9 +1,14 @@
 """A real one-node Slurm cluster for the tests in this directory (see cluster.sh)."""
 
+import io
 import os
+import sys
+from pathlib import Path
 from typing import Iterator
 
+import nemo_run.config
 import pytest
+from nemo_run.run.torchx_backend.schedulers import slurm as slurm_scheduler
 
 from tests.slurm.cluster import SlurmCluster, cluster_sh
 
@@ -29,3 +34,18 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = old_conf
+
+
+@pytest.fixture
+def nemorun_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Keep NeMo-Run's experiments and its Slurm job registry inside tmp_path.
+
+    Also gives NeMo-Run's `invoke` calls (sbatch) a readable stdin: pytest's stdin raises.
+    `NEMORUN_HOME` is set too, for `nemo` commands run in subprocesses.
+    """
+    monkeypatch.setattr(sys, "stdin", io.StringIO())
+    home = tmp_path / "home"
+    monkeypatch.setattr(nemo_run.config, "_NEMORUN_HOME", str(home))
+    monkeypatch.setattr(slurm_scheduler, "SLURM_JOB_DIRS", str(home / ".slurm_jobs"))
+    monkeypatch.setenv("NEMORUN_HOME", str(home))
+    return home

@@ -1,13 +1,10 @@
 """NeMo-Run submits through launch.slurm.slurm_executor to the real local Slurm cluster."""
 
-import io
 import sys
 from pathlib import Path
 
 import nemo_run as run
-import nemo_run.config
 import pytest
-from nemo_run.run.torchx_backend.schedulers import slurm as slurm_scheduler
 
 from launch.slurm import check_submittable, slurm_executor
 from tests.slurm.cluster import SlurmCluster
@@ -25,19 +22,6 @@ print(f"rank {rank}/{world} sum {total.item()}", flush=True)
 pathlib.Path(sys.argv[1], f"rank{rank}.txt").write_text(f"{world} {total.item()}")
 dist.destroy_process_group()
 """
-
-
-@pytest.fixture
-def nemorun_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Keep NeMo-Run's experiments and its Slurm job registry inside tmp_path.
-
-    Also gives NeMo-Run's `invoke` calls (sbatch) a readable stdin: pytest's stdin raises.
-    """
-    monkeypatch.setattr(sys, "stdin", io.StringIO())
-    home = tmp_path / "home"
-    monkeypatch.setattr(nemo_run.config, "_NEMORUN_HOME", str(home))
-    monkeypatch.setattr(slurm_scheduler, "SLURM_JOB_DIRS", str(home / ".slurm_jobs"))
-    return home
 
 
 def test_experiment_runs_torchrun_allreduce(slurm_cluster: SlurmCluster, nemorun_home: Path,
@@ -77,6 +61,7 @@ def test_check_submittable_accepts_fitting_job(slurm_cluster: SlurmCluster) -> N
     ({"time": "05:00:00"}, "time limit"),
     ({"nodes": 2}, "Node count specification invalid"),
     ({"gpus_per_node": 1}, "gres"),
+    ({"account": "nope"}, "Invalid account.*set account= to one of your Slurm accounts \\(account='nope'"),
 ])
 def test_check_submittable_rejects_what_the_cluster_cannot_run(
         slurm_cluster: SlurmCluster, kwargs: dict, error: str) -> None:
