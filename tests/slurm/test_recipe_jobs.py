@@ -2,7 +2,6 @@
 
 import csv
 import json
-import os
 import subprocess
 import sys
 import time
@@ -56,7 +55,7 @@ def logged_steps(log_dir: Path) -> list[int]:
 
 
 def nemo(*args: str) -> str:
-    result = subprocess.run([NEMO, *args], cwd=REPO, capture_output=True, text=True, timeout=240,
+    result = subprocess.run([NEMO, *args], check=False, cwd=REPO, capture_output=True, text=True, timeout=240,
                             stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout + result.stderr
