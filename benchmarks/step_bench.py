@@ -1,0 +1,233 @@
+"""Training step time and memory per rank: `MegatronStrategy`'s sharding strategies against Lightning's own
+`FSDPStrategy` (FSDP1) and `ModelParallelStrategy` (FSDP2), on the same model, data and optimizer.
+
+    python benchmarks/step_bench.py [--model small] [--ranks 2] [--steps 20] [--reps 2] [--no-write]
+
+Each strategy trains the GPT for `--steps` steps (after 3 warm-up steps) with a Lightning Trainer on `--ranks`
+gloo processes (NCCL on GPUs), global batch 8, AdamW, no gradient clipping; every strategy runs in fresh
+processes, repetitions in rotated order. Step time: batch start to batch end (forward, backward, optimizer
+step), the slowest rank per step, median. Memory per rank: the parameters, gradients and optimizer state this
+rank holds (before the optimizer step), and the peak resident memory the run added (CUDA: peak allocated).
+Writes the `## Step time` section of benchmarks/RESULTS.md.
+"""
+
+import argparse
+import os
+import platform
+import re
+import resource
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from nemo_ckpt.data import MockDataModule
+from nemo_ckpt.ddp_config import DistributedDataParallelConfig
+from nemo_ckpt.models import GPTModel, gpt_config
+from nemo_ckpt.models.gpt import GPT, TransformerLayer
+from nemo_ckpt.optim import OptimizerConfig
+from nemo_ckpt.strategy import MegatronStrategy
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params", "lightning_fsdp", "lightning_fsdp2")
+NAMES = {
+    "no_shard": "MegatronStrategy `no_shard` (DDP)",
+    "optim": "MegatronStrategy `optim` (ZeRO-1)",
+    "optim_grads": "MegatronStrategy `optim_grads` (FSDP2, no reshard)",
+    "optim_grads_params": "MegatronStrategy `optim_grads_params` (FSDP2)",
+    "lightning_fsdp": "Lightning `FSDPStrategy` (FSDP1, full shard)",
+    "lightning_fsdp2": "Lightning `ModelParallelStrategy` (FSDP2)",
+}
+GLOBAL_BATCH_SIZE = 8
+WARMUP_STEPS = 3
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+SECTION = "## Step time"
+
+
+class FSDP2GPTModel(GPTModel):
+    """`GPTModel` for Lightning's `ModelParallelStrategy`: `fully_shard` per layer and embedding, then the root."""
+
+    def configure_model(self) -> None:
+        if self.module is not None:
+            return
+        self.module = GPT(self.config)
+        mesh = self.device_mesh["data_parallel"]
+        for module in self.module.modules():
+            if isinstance(module, (TransformerLayer, nn.Embedding)):
+                fully_shard(module, mesh=mesh)
+        fully_shard(self.module, mesh=mesh, reshard_after_forward=False)
+
+
+class Measure(pl.Callback):
+    """Step times, and the bytes of parameters, gradients and optimizer state held by this rank."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.state_bytes = 0
+        self._start = 0.0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.times.append(time.perf_counter() - self._start)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self.state_bytes or trainer.global_step == 0:  # the optimizer creates its state in the first step
+            return
+        tensors = [tensor for param in pl_module.parameters() for tensor in (param, param.grad)]
+        tensors += [value for state in optimizer.state.values() for value in state.values()]
+        storages = {}
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+        self.state_bytes = sum(storages.values())
+
+
+def strategy_and_model(name: str, model_size: str, ranks: int) -> tuple[pl.strategies.Strategy, GPTModel]:
+    config = gpt_config(model_size)
+    optim = OptimizerConfig(lr=3e-4, clip_grad=0.0)
+    if name == "lightning_fsdp":
+        strategy = FSDPStrategy(auto_wrap_policy={TransformerLayer, nn.Embedding}, sharding_strategy="FULL_SHARD")
+        return strategy, GPTModel(config, optim)
+    if name == "lightning_fsdp2":
+        return ModelParallelStrategy(data_parallel_size=ranks, tensor_parallel_size=1), FSDP2GPTModel(config, optim)
+    # overlap_param_gather (prefetching) pays off with GPU streams; on gloo it only adds work
+    overlap_param_gather = name != "no_shard" and torch.cuda.is_available()
+    ddp = DistributedDataParallelConfig(data_parallel_sharding_strategy=name, overlap_grad_reduce=True,
+                                        overlap_param_gather=overlap_param_gather)
+    return MegatronStrategy(ddp=ddp), GPTModel(config, optim)
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def worker(rank: int, ranks: int, port: int, name: str, model_size: str, steps: int, results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(ranks),
+                      LOCAL_RANK=str(rank))
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=ranks)
+    try:
+        pl.seed_everything(0, verbose=False)
+        strategy, model = strategy_and_model(name, model_size, ranks)
+        config = model.config
+        data = MockDataModule(seq_length=config.seq_length, vocab_size=config.vocab_size,
+                              micro_batch_size=GLOBAL_BATCH_SIZE // ranks, global_batch_size=GLOBAL_BATCH_SIZE)
+        measure = Measure()
+        trainer = pl.Trainer(accelerator="gpu" if cuda else "cpu", devices=ranks, strategy=strategy,
+                             max_steps=WARMUP_STEPS + steps, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                             limit_val_batches=0, num_sanity_val_steps=0, callbacks=[measure])
+        rss_before = current_rss_bytes()
+        trainer.fit(model, datamodule=data)
+        peak = (torch.cuda.max_memory_allocated() if cuda
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before)
+        per_rank: list[Any] = [None] * ranks
+        dist.all_gather_object(per_rank, (measure.times[WARMUP_STEPS:], measure.state_bytes, peak))
+        if rank == 0:
+            slowest = [max(step) for step in zip(*(times for times, _, _ in per_rank))]
+            results[name] = (statistics.median(slowest), max(b for _, b, _ in per_rank),
+                             max(p for _, _, p in per_rank))
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def available_strategies() -> tuple[str, ...]:
+    """Lightning's `FSDPStrategy` refuses the CPU accelerator: it runs on GPUs only."""
+    return STRATEGIES if torch.cuda.is_available() else tuple(s for s in STRATEGIES if s != "lightning_fsdp")
+
+
+def run(model_size: str, ranks: int, steps: int, reps: int) -> dict[str, list[tuple[float, int, int]]]:
+    """Per strategy and repetition: (median step time s, model-state bytes per rank, peak added bytes per rank)."""
+    names = available_strategies()
+    measured: dict[str, list[tuple[float, int, int]]] = {name: [] for name in names}
+    with mp.Manager() as manager:
+        for rep in range(reps):
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                results = manager.dict()
+                mp.spawn(worker, args=(ranks, free_port(), name, model_size, steps, results), nprocs=ranks)
+                measured[name].append(results[name])
+                print(f"{name}: {results[name][0] * 1e3:.1f} ms/step", flush=True)
+    return measured
+
+
+def report(measured: dict[str, list[tuple[float, int, int]]], model_size: str, ranks: int, steps: int,
+           reps: int) -> str:
+    config = gpt_config(model_size)
+    median_time = {name: statistics.median(t for t, _, _ in runs) for name, runs in measured.items()}
+    baseline = min(median_time[name] for name in ("lightning_fsdp", "lightning_fsdp2") if name in median_time)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else (
+        f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}), gloo")
+    lines = [
+        SECTION,
+        "",
+        f"`python benchmarks/step_bench.py --model {model_size} --ranks {ranks} --steps {steps} --reps {reps}` on "
+        f"{device}, torch {torch.__version__}, {ranks} ranks. Model `{model_size}` "
+        f"({config.num_parameters() / 1e6:.1f}M parameters, seq {config.seq_length}), global batch "
+        f"{GLOBAL_BATCH_SIZE}, AdamW, no clipping; MegatronStrategy with `overlap_grad_reduce` and, on GPUs when "
+        "sharded, `overlap_param_gather`. Step time: slowest rank, median of the steps after 3 warm-up steps, median over "
+        f"{reps} repetitions in rotated order (range in brackets). Model state: parameters + gradients + optimizer "
+        "state held per rank. Peak: resident memory added during `fit` per rank (max over ranks).",
+        "",
+        "| strategy | step time (ms) | vs best Lightning | model state / rank (MB) | peak added / rank (MB) |",
+        "|---|---|---|---|---|",
+    ]
+    for name in measured:
+        times = [t for t, _, _ in measured[name]]
+        state = max(b for _, b, _ in measured[name])
+        peak = statistics.median(p for _, _, p in measured[name])
+        lines.append(f"| {NAMES[name]} | {median_time[name] * 1e3:.1f} ({min(times) * 1e3:.1f}–"
+                     f"{max(times) * 1e3:.1f}) | {median_time[name] / baseline:.2f}x | {state / 2**20:.1f} | "
+                     f"{peak / 2**20:.1f} |")
+    if "lightning_fsdp" not in measured:
+        lines += ["", "Lightning's `FSDPStrategy` is not in the table: it refuses the CPU accelerator (GPU only)."]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def write_section(section: str) -> None:
+    """Replace (or append) only the `## Step time` section of RESULTS.md."""
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\n"
+    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section, text)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    RESULTS.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--no-write", action="store_true", help="print the table without writing RESULTS.md")
+    args = parser.parse_args()
+    section = report(run(args.model, args.ranks, args.steps, args.reps), args.model, args.ranks, args.steps,
+                     args.reps)
+    print(section)
+    if not args.no_write:
+        write_section(section)
+
+
+if __name__ == "__main__":
+    main()
