@@ -1,8 +1,35 @@
-"""The `nemo nemo_ckpt ...` command line: registers the entry point, recipes and executors with NeMo-Run.
+"""The `nemo nemo_ckpt ...` command line: the `pretrain` entry point, its recipes and executors in NeMo-Run.
 
     nemo nemo_ckpt pretrain --factory tiny trainer.max_steps=20 run.executor=local --yes
+    nemo nemo_ckpt pretrain --factory tiny run.executor=slurm run.executor.account=llm --dryrun
 """
 
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Optional
+
+import nemo_run as run
+from nemo_run.cli.api import RunContext
+
 import launch.local  # noqa: F401  (registers the `local` executor factory)
-import launch.slurm  # noqa: F401  (registers the `slurm` executor factory)
-import recipes  # noqa: F401  (registers the `pretrain` entry point and its recipe factories)
+import recipes  # noqa: F401  (registers the recipe factories of `pretrain`)
+from launch.slurm import sbatch_script
+from nemo_ckpt.api import pretrain
+
+
+@dataclass(kw_only=True)
+class DryRunShowsScript(RunContext):
+    """NeMo-Run's run context; with a Slurm executor, `--dryrun` also prints the sbatch script it would submit."""
+
+    task: Optional[run.Partial] = field(init=False, default=None)
+
+    def parse_fn(self, fn: Callable, args: list[str], **default_args) -> run.Partial:
+        self.task = super().parse_fn(fn, args, **default_args)
+        return self.task
+
+    def cli_execute(self, fn: Callable, args: list[str], entrypoint_type: Literal["task", "experiment"] = "task"):
+        super().cli_execute(fn, args, entrypoint_type)
+        if self.dryrun and isinstance(self.executor, run.SlurmExecutor):
+            print(sbatch_script(self.task, self.executor, name=self.name))
+
+
+run.cli.entrypoint(pretrain, namespace="nemo_ckpt", run_ctx_cls=DryRunShowsScript)

@@ -30,8 +30,10 @@ Behaviour of NeMo-Run 0.11.1 worth knowing:
 
 import re
 import shlex
+import shutil
 import socket
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Optional
 
 import nemo_run as run
@@ -215,3 +217,15 @@ def check_submittable(executor: run.SlurmExecutor, timeout: float = 10) -> str:
                     "`sacctmgr show assoc user=$USER format=account` lists them)")
         raise ValueError(f"Slurm rejects this job ({shlex.join(cmd)}): {message}{hint}")
     return message
+
+
+def sbatch_script(task: run.Partial | run.Script, executor: run.SlurmExecutor, name: str = "pretrain") -> str:
+    """The sbatch script NeMo-Run generates for `task` on `executor`, without submitting anything."""
+    with run.Experiment(f"dryrun-{name}", executor=executor, log_level="WARN") as experiment:
+        experiment.add(task, name=name)
+        experiment.dryrun(log=False, delete_exp_dir=False)
+    experiment_dir = Path(experiment._exp_dir)
+    try:
+        return next(experiment_dir.glob("*_sbatch.sh")).read_text()
+    finally:
+        shutil.rmtree(experiment_dir, ignore_errors=True)

@@ -3,7 +3,6 @@
 from pathlib import Path
 
 import lightning.pytorch as pl
-import nemo_run as run
 
 from nemo_ckpt import io
 from nemo_ckpt.logger import NeMoLogger
@@ -12,7 +11,6 @@ from nemo_ckpt.resume import AutoResume
 from nemo_ckpt.rng import RNGStateCallback
 
 
-@run.cli.entrypoint(namespace="nemo_ckpt")
 def pretrain(model: pl.LightningModule, data: pl.LightningDataModule, trainer: pl.Trainer,
              log: NeMoLogger | None = None, resume: AutoResume | None = None,
              optim: OptimizerConfig | None = None, seed: int = 1234) -> Path:
