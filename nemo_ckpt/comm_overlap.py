@@ -180,4 +180,4 @@ class MegatronCommOverlapCallback(pl.Callback):
         device_type = torch.device(strategy.root_device).type
         self.config.validate(device_type, tensor_model_parallel_size, sequence_parallel)
         if self.config.overlaps_all_gather_and_reduce_scatter:
-            enable_async_tensor_parallel(strategy.device_mesh["tp"])
+            enable_async_tensor_parallel(strategy.tensor_parallel_mesh)

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from nemo_ckpt.dist_checkpointing import ShardedTensor
+from nemo_ckpt.parallel.dtensor_sharding import dtensor_to_sharded_tensor
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -25,20 +25,16 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local().detach() if isinstance(tensor, DTensor) else tensor.detach()
 
 
-def dtensor_sharded_tensor(key: str, dtensor: DTensor) -> ShardedTensor | None:
-    """This rank's shard of `dtensor` (uneven shards allowed); None if it is empty.
+def dtensor_sharded_tensor(key: str, dtensor: DTensor, replica_id: int) -> ShardedTensor | None:
+    """This rank's shard of `dtensor` (any placements, see `dtensor_to_sharded_tensor`); None if it is empty.
 
-    The rank at coordinate 0 of every mesh dimension on which `dtensor` is replicated writes the shard.
+    `replica_id` tells copies of a DTensor whose mesh does not span all ranks apart (a tensor-parallel DTensor
+    under DDP: the data-parallel rank). Of replicated shards, the copy at replica 0 and at coordinate 0 of every
+    `Replicate` mesh dimension writes.
     """
-    local = local_tensor(dtensor)
-    if local.numel() == 0:
+    if local_tensor(dtensor).numel() == 0:
         return None
-    _, global_offset = compute_local_shape_and_global_offset(dtensor.shape, dtensor.device_mesh, dtensor.placements)
-    coordinate = dtensor.device_mesh.get_coordinate()
-    replica_id = tuple(coordinate[dim] for dim, placement in enumerate(dtensor.placements)
-                       if isinstance(placement, Replicate)) or 0
-    return ShardedTensor(key, local, local.dtype, tuple(local.shape), tuple(dtensor.shape), tuple(global_offset),
-                         axis_fragmentations=None, replica_id=replica_id)
+    return dtensor_to_sharded_tensor(key, dtensor, outer_replica_id=replica_id)
 
 
 def model_sharded_state_dict(state_dict: dict[str, Any], replica_id: int) -> dict[str, Any]:
@@ -50,7 +46,7 @@ def model_sharded_state_dict(state_dict: dict[str, Any], replica_id: int) -> dic
     sharded = {}
     for key, value in state_dict.items():
         if isinstance(value, DTensor):
-            value = dtensor_sharded_tensor(key, value)
+            value = dtensor_sharded_tensor(key, value, replica_id)
             if value is None:
                 continue
         elif isinstance(value, torch.Tensor):

@@ -17,7 +17,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
@@ -26,11 +26,18 @@ from nemo_ckpt.ddp_config import DistributedDataParallelConfig
 from nemo_ckpt.parallel.ddp import apply_ddp
 from nemo_ckpt.parallel.fsdp import apply_fsdp
 from nemo_ckpt.parallel.meta_init import materialize
+from nemo_ckpt.parallel.tensor_parallel import (
+    TENSOR_PARALLEL_DIM,
+    all_reduce_gradients,
+    apply_tensor_parallel,
+    build_device_mesh,
+)
 from nemo_ckpt.parallel.zero import ZeroOneSharding
 from nemo_ckpt.sharding import (
     init_optimizer_state,
     load_module_state,
     load_named_optimizer_state,
+    local_tensor,
     model_sharded_state_dict,
     named_optimizer_state,
     optimizer_sharded_state_dict,
@@ -57,7 +64,7 @@ def ddp_config_from(ddp: str | DistributedDataParallelConfig) -> DistributedData
 def check_grads_finite(module: nn.Module, group: dist.ProcessGroup, step: int) -> None:
     """Raise on every rank, naming the parameters, if any rank holds a NaN or Inf gradient."""
     bad = [name for name, param in module.named_parameters()
-           if param.grad is not None and not torch.isfinite(param.grad).all()]
+           if param.grad is not None and not torch.isfinite(local_tensor(param.grad)).all()]
     flag = torch.tensor([float(bool(bad))], device=next(module.parameters()).device)
     dist.all_reduce(flag, group=group)
     if flag.item():
@@ -71,6 +78,10 @@ def check_grads_finite(module: nn.Module, group: dist.ProcessGroup, step: int) -
 class MegatronStrategy(DDPStrategy):
     """Data-parallel training (DDP, ZeRO-1 or FSDP2 from `ddp`) with sharded, reshardable checkpoints.
 
+    `tensor_model_parallel_size`, `sequence_parallel`: Megatron's tensor (and sequence) parallelism on DTensor
+    over the `tp` dimension of a (dp, tp) mesh (nemo_ckpt/parallel/tensor_parallel.py), applied before the data
+    parallelism of `ddp` over `dp` (FSDP2 on the 2-D mesh; with `no_shard`, gradients are averaged over dp
+    after backward). The data-parallel size is world size / tensor_model_parallel_size.
     `ddp`: a `DistributedDataParallelConfig`, or `"megatron"` / `"pytorch"` as in NeMo.
     `init_model_with_meta_device`: build the model on `meta` in `configure_model`, then materialize it module
     by module with `reset_parameters` while sharding, so no rank ever holds the whole model.
@@ -80,6 +91,8 @@ class MegatronStrategy(DDPStrategy):
 
     def __init__(
         self,
+        tensor_model_parallel_size: int = 1,
+        sequence_parallel: bool = False,
         ddp: str | DistributedDataParallelConfig = "megatron",
         init_model_with_meta_device: bool = False,
         save_ckpt_format: str = "torch_dist",
@@ -110,6 +123,23 @@ class MegatronStrategy(DDPStrategy):
             raise ValueError("MegatronStrategy(bucket_cap_mb=...): set ddp.bucket_size (elements) instead")
         super().__init__(checkpoint_io=checkpoint_io, **ddp_kwargs)
         self.ddp_config = ddp_config_from(ddp)
+        if tensor_model_parallel_size < 1:
+            raise ValueError(f"MegatronStrategy(tensor_model_parallel_size={tensor_model_parallel_size}): "
+                             "use 1 or more")
+        if sequence_parallel and tensor_model_parallel_size == 1:
+            raise ValueError("MegatronStrategy(sequence_parallel=True) shards activations over tensor-parallel ranks; "
+                             "set tensor_model_parallel_size > 1 or sequence_parallel=False")
+        if tensor_model_parallel_size > 1 and self.ddp_config.data_parallel_sharding_strategy == "optim":
+            raise ValueError("MegatronStrategy(tensor_model_parallel_size > 1) does not support "
+                             "data_parallel_sharding_strategy='optim' (ZeRO-1); use 'no_shard', 'optim_grads' or "
+                             "'optim_grads_params'")
+        if tensor_model_parallel_size > 1 and not self.ddp_config.shards_parameters and (
+                self.ddp_config.overlap_grad_reduce):
+            raise ValueError("MegatronStrategy(tensor_model_parallel_size > 1) with data_parallel_sharding_strategy="
+                             "'no_shard' all-reduces gradients after backward; set overlap_grad_reduce=False, or "
+                             "use 'optim_grads' / 'optim_grads_params' (FSDP2 reduces during backward)")
+        self.tensor_model_parallel_size = tensor_model_parallel_size
+        self.sequence_parallel = sequence_parallel
         self.init_model_with_meta_device = init_model_with_meta_device
         self._device_mesh: DeviceMesh | None = None
         self._fsdp_modules: list[FSDPModule] = []
@@ -125,7 +155,7 @@ class MegatronStrategy(DDPStrategy):
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The device mesh (dimension `dp`), built when the process group starts."""
+        """The (dp, tp) device mesh, built when the process group starts."""
         if self._device_mesh is None:
             raise RuntimeError("MegatronStrategy.device_mesh is built in setup_environment(); use it after that")
         return self._device_mesh
@@ -134,10 +164,14 @@ class MegatronStrategy(DDPStrategy):
     def data_parallel_mesh(self) -> DeviceMesh:
         return self.device_mesh[DATA_PARALLEL_DIM]
 
+    @property
+    def tensor_parallel_mesh(self) -> DeviceMesh:
+        return self.device_mesh[TENSOR_PARALLEL_DIM]
+
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,),
-                                             mesh_dim_names=(DATA_PARALLEL_DIM,))
+        self._device_mesh = build_device_mesh(self.root_device.type, self.tensor_model_parallel_size,
+                                              self.world_size)
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
@@ -172,6 +206,11 @@ class MegatronStrategy(DDPStrategy):
         """Apply the configured data parallelism to the LightningModule (materializing it if on `meta`)."""
         config = self.ddp_config
         compute_dtype = self._mixed_precision_dtype()
+        if self.tensor_model_parallel_size > 1:
+            apply_tensor_parallel(model, self.tensor_parallel_mesh, self.sequence_parallel, self.root_device)
+            if not config.shards_parameters:
+                model.to(self.root_device)
+                return model  # DDP cannot reduce DTensor gradients: `backward` all-reduces them over dp
         if config.shards_parameters:
             if any(True for _ in model.parameters(recurse=False)):
                 raise TypeError(f"{type(model).__name__} holds parameters itself; FSDP shards its submodules, "
@@ -198,9 +237,10 @@ class MegatronStrategy(DDPStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any,
                  **kwargs: Any) -> torch.Tensor:
         loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self.tensor_model_parallel_size > 1 and not self.ddp_config.shards_parameters:
+            all_reduce_gradients(self.lightning_module, self.data_parallel_mesh.get_group())
         if self.ddp_config.check_for_nan_in_grad:
-            check_grads_finite(self.lightning_module, self.data_parallel_mesh.get_group(),
-                               self.lightning_module.trainer.global_step)
+            check_grads_finite(self.lightning_module, dist.group.WORLD, self.lightning_module.trainer.global_step)
         return loss
 
     def _param_names(self) -> dict[nn.Parameter, str]:

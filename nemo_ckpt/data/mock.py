@@ -57,6 +57,15 @@ class PretrainingSampler(Sampler[list[int]]):
             yield list(range(start + offset, start + offset + self.micro_batch_size))
 
 
+def data_parallel_rank_and_size(trainer: pl.Trainer) -> tuple[int, int]:
+    """This process's data-parallel rank and the data-parallel size: the strategy's `dp` mesh where it has one
+    (tensor-parallel ranks share their data), else the trainer's global rank and world size."""
+    mesh = getattr(trainer.strategy, "data_parallel_mesh", None)
+    if mesh is None:
+        return trainer.global_rank, trainer.world_size
+    return mesh.get_local_rank(), mesh.size()
+
+
 class MockDataModule(pl.LightningDataModule):
     """Synthetic pretraining data. A resumed run continues at sample `global_step * global_batch_size`."""
 
@@ -74,12 +83,12 @@ class MockDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
 
     def setup(self, stage: str = "") -> None:
-        world_size = self.trainer.world_size
-        per_step = self.micro_batch_size * world_size
+        _, data_parallel_size = data_parallel_rank_and_size(self.trainer)
+        per_step = self.micro_batch_size * data_parallel_size
         if self.global_batch_size % per_step:
             raise ValueError(
                 f"MockDataModule: global_batch_size={self.global_batch_size} must be a multiple of "
-                f"micro_batch_size * data-parallel size = {self.micro_batch_size} * {world_size}"
+                f"micro_batch_size * data-parallel size = {self.micro_batch_size} * {data_parallel_size}"
             )
         self.trainer.accumulate_grad_batches = self.global_batch_size // per_step
         num_train = self.num_train_samples or max(1, self.trainer.max_steps) * self.global_batch_size
@@ -88,7 +97,7 @@ class MockDataModule(pl.LightningDataModule):
 
     def _loader(self, dataset: Dataset, consumed_samples: int) -> DataLoader:
         sampler = PretrainingSampler(len(dataset), consumed_samples, self.micro_batch_size,
-                                     self.trainer.global_rank, self.trainer.world_size)
+                                     *data_parallel_rank_and_size(self.trainer))
         return DataLoader(dataset, batch_sampler=sampler, num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:

@@ -45,7 +45,7 @@ def dtensor_to_sharded_tensor(key: str, tensor: DTensor, outer_replica_id: int |
     elif outer_replica_id is None:
         raise ValueError(f"{key}: the DTensor's mesh has {mesh.size()} of {_world_size()} ranks; pass "
                          "outer_replica_id (this rank's copy of the mesh, e.g. its data-parallel rank)")
-    local = tensor.to_local()
+    local = tensor.to_local().detach()
     local_shape, global_offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
     if tuple(local.shape) != tuple(local_shape):
         raise ValueError(f"{key}: local shard shape {tuple(local.shape)} is not the shape {tuple(local_shape)} "

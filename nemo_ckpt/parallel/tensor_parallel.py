@@ -14,6 +14,7 @@ hold `Replicate` weights. Every parameter becomes a DTensor on the `tp` mesh, so
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
@@ -27,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from nemo_ckpt.models.gpt import GPT, GPTConfig
+from nemo_ckpt.parallel.meta_init import materialize
 
 DATA_PARALLEL_DIM = "dp"
 TENSOR_PARALLEL_DIM = "tp"
@@ -145,3 +147,34 @@ def parallelize_gpt(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool = F
         parallelize_module(model, tp_mesh, PrepareModuleOutput(output_layouts=Shard(-1),
                                                                desired_output_layouts=Replicate()))
     return model
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool,
+                          device: torch.device) -> None:
+    """Parallelize every `GPT` inside `model` (e.g. a `GPTModel`'s `module`) over `tp_mesh`, in place.
+
+    A GPT still on `meta` is first materialized whole on `device`: its shards then hold the values an eager
+    build has (on CPU, DTensor random init would give every tp rank the same shard).
+    """
+    gpts = [module for module in model.modules() if isinstance(module, GPT)]
+    if not gpts:
+        raise TypeError(f"tensor_model_parallel_size={tp_mesh.size()} needs a nemo_ckpt GPT inside "
+                        f"{type(model).__name__}; found none")
+    for gpt in gpts:
+        materialize(gpt, device)
+        parallelize_gpt(gpt, tp_mesh, sequence_parallel)
+
+
+@torch.no_grad()
+def all_reduce_gradients(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Average the gradients' local shards over `group` (data parallelism of TP DTensors, which DDP cannot
+    reduce) in one coalesced all-reduce."""
+    grads = [param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+             for param in module.parameters() if param.grad is not None]
+    if not grads:
+        return
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    flat.div_(group.size())
+    for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        grad.copy_(reduced)

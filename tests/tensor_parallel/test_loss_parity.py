@@ -39,7 +39,8 @@ def test_tensor_parallel_matches_single_process(world_size, tensor_parallel, seq
 @pytest.mark.parametrize(
     "overrides, tensor_parallel, sequence_parallel, message",
     [
-        ({"num_query_groups": 1}, 2, False, "GPTConfig.num_query_groups=1 is not divisible by tensor_model_parallel_size=2"),
+        ({"num_query_groups": 1}, 2, False,
+         "GPTConfig.num_query_groups=1 is not divisible by tensor_model_parallel_size=2"),
         ({"num_attention_heads": 2, "num_query_groups": 2}, 4, False, "GPTConfig.num_attention_heads=2"),
         ({"vocab_size": 255}, 2, False, "GPTConfig.vocab_size=255"),
         ({"seq_length": 31}, 2, True, "GPTConfig.seq_length=31"),
