@@ -154,3 +154,22 @@ def test_two_rank_checkpoint_loads_on_one_rank_fast(tmp_path, no_dcp_reader):
     run_distributed(_save_2_ranks, 2, str(tmp_path))
     loaded = dc.load({"w": dc.ShardedTensor.from_rank_offsets("w", torch.empty(8, 6))}, tmp_path)
     assert torch.equal(loaded["w"], FULL)
+
+
+def test_save_without_crc32_reads_everywhere(tmp_path):
+    """crc32=False: zero CRC-32s in the tensors' zip entries; torch.load (DCP) and we read them alike."""
+    state = {"w": dc.ShardedTensor.from_rank_offsets("w", FULL.clone()), "obj": dc.ShardedObject("obj", {"a": 1}, (1,), (0,))}
+    dc.save(state, tmp_path, TorchDistSaveShardedStrategy(thread_count=2, crc32=False))
+    metadata = pickle.load(open(tmp_path / ".metadata", "rb"))
+    info = metadata.storage_data[MetadataIndex("w", (0, 0))]
+    with open(tmp_path / info.relative_path, "rb") as f:
+        f.seek(info.offset)
+        item = f.read(info.length)
+    assert {entry.CRC for entry in zipfile.ZipFile(io.BytesIO(item)).infolist()} == {0}
+    assert torch.equal(torch.load(io.BytesIO(item), weights_only=True), FULL)
+    plain = {"w": torch.zeros(8, 6)}
+    dcp.load(plain, checkpoint_id=tmp_path, no_dist=True)
+    assert torch.equal(plain["w"], FULL)
+    loaded = dc.load({"w": dc.ShardedTensor.from_rank_offsets("w", torch.zeros(8, 6)),
+                      "obj": dc.ShardedObject("obj", None, (1,), (0,))}, tmp_path)
+    assert torch.equal(loaded["w"], FULL) and loaded["obj"] == {"a": 1}

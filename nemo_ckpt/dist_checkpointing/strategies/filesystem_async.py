@@ -3,7 +3,9 @@
 1. ``prepare_write_data`` (training side): stage this rank's shards as CPU tensors (a copy for async
    saves, so training may change the originals) and split them into ``thread_count`` files.
 2. ``write`` (any thread): each file ``__<rank>_<i>.distcp`` by its own thread, fsynced; every item
-   serialized exactly as ``torch.distributed.checkpoint.FileSystemWriter`` does.
+   serialized as ``torch.distributed.checkpoint.FileSystemWriter`` does (a ``torch.save`` zip), with
+   or without the zip's CRC-32s (``torch.load`` never checks them; computing them is most of a
+   save's CPU time).
 3. ``finish`` (training side, collective): gather the write results; the coordinator writes DCP's
    ``.metadata`` (atomically, fsynced). With a :class:`MetadataCache`, ranks whose shards have the
    same structure as last time send nothing but their write results.
@@ -36,6 +38,7 @@ from torch.distributed.checkpoint.metadata import (
     StorageMeta,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -85,12 +88,14 @@ def split_into_files(items: list[WriteItem], data: dict, bins: int) -> list[list
 class FileSystemWriterAsync:
     """One rank's part of a torch_dist save, split into prepare / write / finish (see module doc)."""
 
-    def __init__(self, checkpoint_dir: Path, thread_count: int = 1, cache: Optional[MetadataCache] = None) -> None:
+    def __init__(self, checkpoint_dir: Path, thread_count: int = 1, cache: Optional[MetadataCache] = None,
+                 crc32: bool = True) -> None:
         if thread_count < 1:
             raise ValueError(f"thread_count={thread_count}: use 1 or more writer threads (files) per rank")
         self.checkpoint_dir = Path(checkpoint_dir)
         self.thread_count = thread_count
         self.cache = cache
+        self.crc32 = crc32
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.items: list[WriteItem] = []
         self.buckets: list[list[WriteItem]] = []
@@ -121,7 +126,10 @@ class FileSystemWriterAsync:
                 data = self.data[item.index]
                 if isinstance(data, io.BytesIO):
                     data.seek(0)
-                results.append(_write_item(transforms, stream, data, item, name, SerializationFormat.TORCH_SAVE))
+                if self.crc32 or isinstance(data, io.BytesIO):
+                    results.append(_write_item(transforms, stream, data, item, name, SerializationFormat.TORCH_SAVE))
+                else:
+                    results.append(_write_tensor_without_crc(stream, data, item, name))
             stream.flush()
             os.fsync(stream.fileno())
         return results
@@ -172,6 +180,18 @@ class FileSystemWriterAsync:
         os.replace(tmp, self.checkpoint_dir / DCP_METADATA_FNAME)
 
 
+def _write_tensor_without_crc(stream: io.BufferedWriter, tensor: torch.Tensor, item: WriteItem,
+                              name: str) -> WriteResult:
+    """``torch.save(tensor, stream)`` with zero CRC-32s (as with torch's ``compute_crc32=False``,
+    but for this call only), recorded as DCP's ``_write_item`` records it."""
+    offset = stream.tell()
+    writer = torch._C.PyTorchFileWriter(stream, False, torch.serialization._get_storage_alignment())
+    torch.serialization._save(tensor, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
+    length = stream.tell() - offset
+    return WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
+
+
 def build_state_dict_metadata(all_items: list[list[WriteItem]]) -> dict:
     """DCP's global metadata: for each key, its size, dtype and every rank's chunks (in rank order)."""
     metadata: dict = {}
@@ -187,8 +207,8 @@ def build_state_dict_metadata(all_items: list[list[WriteItem]]) -> dict:
 
 
 def save_request(items: list[WriteItem], data: dict, checkpoint_dir: Path, thread_count: int, copy_to_cpu: bool,
-                 cache: Optional[MetadataCache] = None) -> AsyncRequest:
+                 cache: Optional[MetadataCache] = None, crc32: bool = True) -> AsyncRequest:
     """Stage the data now; the request writes it (``async_fn``) and finishes the DCP checkpoint (finalize)."""
-    writer = FileSystemWriterAsync(checkpoint_dir, thread_count, cache)
+    writer = FileSystemWriterAsync(checkpoint_dir, thread_count, cache, crc32)
     writer.prepare_write_data(items, data, copy=copy_to_cpu)
     return AsyncRequest(writer.write, (), [writer.finish])
