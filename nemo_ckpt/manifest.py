@@ -2,8 +2,10 @@
 
 A checkpoint's record goes through three states, each written atomically before the file-system change it
 announces: `saving` (its data is being written under a temporary name), `complete` (renamed to its name;
-loadable), `deleting` (about to be, or being, removed). A record moves to the end of the list when it is added
-or completes, so the last complete record is the newest checkpoint, whatever its step.
+loadable), `deleting` (about to be, or being, removed). Records are in the order their saves started, which is
+the order they complete (commits run one at a time, in save order), so the newest checkpoint is the last complete
+record, whatever its step, or a later `saving` one whose directory is already complete (its commit renamed it,
+then the process died before recording it).
 """
 
 import json
@@ -75,6 +77,14 @@ class Manifest:
         """Append `record`, replacing any record of the same name."""
         self.checkpoints = [r for r in self.checkpoints if r.name != record.name] + [record]
 
+    def update(self, record: CheckpointRecord) -> None:
+        """Replace the record of the same name where it is (append `record` if there is none)."""
+        names = [r.name for r in self.checkpoints]
+        if record.name in names:
+            self.checkpoints[names.index(record.name)] = record
+        else:
+            self.checkpoints.append(record)
+
     def remove(self, name: str) -> None:
         self.checkpoints = [r for r in self.checkpoints if r.name != name]
 
@@ -83,7 +93,7 @@ class Manifest:
         return [record for record in self.checkpoints if record.state == "complete"]
 
     def newest(self) -> CheckpointRecord | None:
-        """The most recently completed checkpoint."""
+        """The last complete checkpoint."""
         complete = self.complete()
         return complete[-1] if complete else None
 

@@ -199,8 +199,8 @@ class ModelCheckpoint(Callback):
         name, metrics = run_on_rank_zero(trainer, lambda: self.format_name(trainer), "ModelCheckpoint: naming")
         record = CheckpointRecord(name, trainer.global_step, trainer.current_epoch, metrics, "saving", weights_only)
         tmp = self.dirpath / f"{TMP_PREFIX}{name}"
-        run_on_rank_zero(trainer, lambda: self._begin(record, tmp, trainer),
-                         f"ModelCheckpoint: preparing {tmp}")
+        replaced = run_on_rank_zero(trainer, lambda: self._begin(record, tmp, trainer),
+                                    f"ModelCheckpoint: preparing {tmp}")
         self._last_saved_step, self._last_saved_path = trainer.global_step, self.dirpath / name
         self._last_save_time = time.monotonic()
         try:
@@ -209,31 +209,42 @@ class ModelCheckpoint(Callback):
         except Exception as error:
             free_mib = shutil.disk_usage(self.dirpath).free / 2**20
             if trainer.is_global_zero:
-                self._abort(record, tmp)
+                self._abort(record, tmp, replaced)
             raise RuntimeError(f"ModelCheckpoint could not save step {record.step} to {self.dirpath / name}: "
                                f"{error}. The directory may be full ({free_mib:.1f} MiB free) or unwritable; "
                                f"earlier checkpoints in {self.dirpath} are intact, resume from them once it is "
                                "fixed") from error
         return self.dirpath / name
 
-    def _begin(self, record: CheckpointRecord, tmp: Path, trainer: pl.Trainer) -> None:
+    def _begin(self, record: CheckpointRecord, tmp: Path,
+               trainer: pl.Trainer) -> tuple[int, CheckpointRecord] | None:
+        """Record the save and create its temporary directory; return the position and record of a checkpoint of
+        the same name that it will replace (a run resumed from an older checkpoint saves the same steps again)."""
         manifest = Manifest.read(self.dirpath)
-        if (self.dirpath / record.name).exists() and manifest.get(record.name) is None:
+        replaced = manifest.get(record.name)
+        if (self.dirpath / record.name).exists() and replaced is None:
             raise FileExistsError(f"{self.dirpath / record.name} exists but {self.dirpath}/checkpoints.json does "
                                   "not list it; move it away or choose another dirpath")
+        position = manifest.checkpoints.index(replaced) if replaced else -1
         manifest.add(record)
         manifest.write(self.dirpath)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         io.save_context(tmp, model=trainer.lightning_module, data=trainer.datamodule)
+        return (position, replaced) if replaced else None
 
-    def _abort(self, record: CheckpointRecord, tmp: Path) -> None:
-        """Undo a failed save's `_begin` as far as the file system lets us; `recover` does the rest later."""
+    def _abort(self, record: CheckpointRecord, tmp: Path, replaced: tuple[int, CheckpointRecord] | None) -> None:
+        """Undo a failed save's `_begin` as far as the file system lets us; `recover` does the rest later.
+        A save that failed after its commit published it (another rank died then) is left as it is."""
         shutil.rmtree(tmp, ignore_errors=True)
+        if record.state != "saving":
+            return
         try:
             manifest = Manifest.read(self.dirpath)
             if manifest.get(record.name) == record:
                 manifest.remove(record.name)
+                if replaced is not None and is_complete(self.dirpath / record.name):
+                    manifest.checkpoints.insert(*replaced)
                 manifest.write(self.dirpath)
         except OSError as error:
             log.warning("ModelCheckpoint: could not drop the record of the failed save %s (%s); the next run will",
@@ -254,7 +265,7 @@ class ModelCheckpoint(Callback):
         fsync_directory(self.dirpath)
         manifest = Manifest.read(self.dirpath)
         record.state = "complete"
-        manifest.add(record)
+        manifest.update(record)
         if self.save_last:
             manifest.last = record.name
         stale = self.stale_checkpoints(manifest)

@@ -70,6 +70,18 @@ def test_checkpoint_renamed_but_not_yet_recorded_is_resumed_and_adopted(tmp_path
     assert manifest.last == "step=4" and visible(tmp_path) == ["step=2", "step=4", f"step=4{LAST_SUFFIX}"]
 
 
+def test_async_checkpoint_renamed_but_not_recorded_is_newer_than_the_one_committed_before(tmp_path):
+    # two async saves in flight: step 4 commits, then step 6's commit renames it and the process dies
+    make_directory(tmp_path, record(2), record(4, "saving"), record(6, "saving"), last="step=2")
+    fake_checkpoint(tmp_path / f"{TMP_PREFIX}step=4")
+    fake_checkpoint(tmp_path / f"{TMP_PREFIX}step=6")
+    ModelCheckpoint(dirpath=tmp_path, monitor="loss", save_top_k=-1)._publish(record(4, "saving"))
+    os.replace(tmp_path / f"{TMP_PREFIX}step=6", tmp_path / "step=6")
+    assert newest_resumable(tmp_path) == tmp_path / "step=6"
+    ModelCheckpoint(dirpath=tmp_path, monitor="loss").recover(resumed=True)
+    assert Manifest.read(tmp_path).last == "step=6"
+
+
 def test_interrupted_deletion_and_link_swap_are_cleaned_up(tmp_path):
     make_directory(tmp_path, record(2, "deleting"), record(4), last="step=4")
     fake_checkpoint(tmp_path / f"{TRASH_PREFIX}step=0")
@@ -193,3 +205,30 @@ def test_commit_killed_at_every_file_system_change(tmp_path):
             break
     assert outcomes[:-1] == [-signal.SIGKILL] * (len(outcomes) - 1) and outcomes[-1] == 0
     assert len(outcomes) > 10, json.dumps(outcomes)
+
+
+def test_failed_save_that_would_replace_a_checkpoint_gives_it_back(tmp_path):
+    # a run resumed from step 2 re-saves step 4, whose save fails: the earlier step-4 checkpoint stays listed
+    make_directory(tmp_path, record(2), record(4, loss=3.0), record(6), last="step=6")
+    previous = Manifest.read(tmp_path).checkpoints
+    manifest = Manifest.read(tmp_path)
+    failed = record(4, "saving", loss=1.0)
+    manifest.add(failed)
+    manifest.write(tmp_path)
+    fake_checkpoint(tmp_path / f"{TMP_PREFIX}step=4")
+    ModelCheckpoint(dirpath=tmp_path, monitor="loss")._abort(failed, tmp_path / f"{TMP_PREFIX}step=4",
+                                                             (1, previous[1]))
+    assert Manifest.read(tmp_path).checkpoints == previous
+    assert not (tmp_path / f"{TMP_PREFIX}step=4").exists()
+
+
+def test_save_failing_after_its_commit_keeps_the_committed_checkpoint(tmp_path):
+    # rank 0 published step 4, then the broadcast after it failed because another rank died
+    make_directory(tmp_path, record(2), record(4, "saving"), last="step=2")
+    fake_checkpoint(tmp_path / f"{TMP_PREFIX}step=4")
+    callback = ModelCheckpoint(dirpath=tmp_path, monitor="loss", save_top_k=-1)
+    committed = record(4, "saving")
+    callback._publish(committed)
+    callback._abort(committed, tmp_path / f"{TMP_PREFIX}step=4", None)
+    assert [(r.name, r.state) for r in Manifest.read(tmp_path).checkpoints] == [("step=2", "complete"),
+                                                                                ("step=4", "complete")]
