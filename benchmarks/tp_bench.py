@@ -103,7 +103,8 @@ def run(model_size: str, steps: int, reps: int, threads: int) -> dict[str, list[
     return medians
 
 
-def report(medians: dict[str, list[float]], model_size: str, steps: int, reps: int, threads: int) -> str:
+def report(medians: dict[str, list[float]], model_size: str, steps: int, reps: int, threads: int,
+           load_average: float) -> str:
     config = gpt_config(model_size)
     baseline = statistics.median(medians["fsdp"])
     names = {"fsdp": "FSDP (`fully_shard`, dp=2)", "tp2": "TP=2", "tp2_sp": "TP=2 + sequence parallel"}
@@ -115,7 +116,8 @@ def report(medians: dict[str, list[float]], model_size: str, steps: int, reps: i
         f"2 gloo ranks with {threads} thread(s) each. Model `{model_size}` ({config.num_parameters() / 1e6:.1f}M "
         f"parameters, seq {config.seq_length}), global batch {GLOBAL_BATCH_SIZE}, AdamW. Step = forward, backward, "
         "clip, optimizer step; slowest rank; median of "
-        f"{steps} steps per repetition; the range is over {reps} repetitions.",
+        f"{steps} steps per repetition; the range is over {reps} repetitions. The machine is shared: 1-minute "
+        f"load average {load_average:.1f} when the run started.",
         "",
         "| layout | step time (ms) | range (ms) | vs FSDP |",
         "|---|---|---|---|",
@@ -155,8 +157,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-write", action="store_true", help="print the section without writing RESULTS.md")
     args = parser.parse_args()
+    load_average = os.getloadavg()[0]
     medians = run(args.model, args.steps, args.reps, args.threads)
-    section = report(medians, args.model, args.steps, args.reps, args.threads)
+    section = report(medians, args.model, args.steps, args.reps, args.threads, load_average)
     print(section)
     if not args.no_write:
         write_section(section)

@@ -28,7 +28,7 @@ from nemo_ckpt.parallel.fsdp import apply_fsdp
 from nemo_ckpt.parallel.meta_init import materialize
 from nemo_ckpt.parallel.tensor_parallel import (
     TENSOR_PARALLEL_DIM,
-    all_reduce_gradients,
+    GradientAllReducer,
     apply_tensor_parallel,
     build_device_mesh,
 )
@@ -81,7 +81,7 @@ class MegatronStrategy(DDPStrategy):
     `tensor_model_parallel_size`, `sequence_parallel`: Megatron's tensor (and sequence) parallelism on DTensor
     over the `tp` dimension of a (dp, tp) mesh (nemo_ckpt/parallel/tensor_parallel.py), applied before the data
     parallelism of `ddp` over `dp` (FSDP2 on the 2-D mesh; with `no_shard`, gradients are averaged over dp
-    after backward). The data-parallel size is world size / tensor_model_parallel_size.
+    by `GradientAllReducer`). The data-parallel size is world size / tensor_model_parallel_size.
     `ddp`: a `DistributedDataParallelConfig`, or `"megatron"` / `"pytorch"` as in NeMo.
     `init_model_with_meta_device`: build the model on `meta` in `configure_model`, then materialize it module
     by module with `reset_parameters` while sharding, so no rank ever holds the whole model.
@@ -133,16 +133,12 @@ class MegatronStrategy(DDPStrategy):
             raise ValueError("MegatronStrategy(tensor_model_parallel_size > 1) does not support "
                              "data_parallel_sharding_strategy='optim' (ZeRO-1); use 'no_shard', 'optim_grads' or "
                              "'optim_grads_params'")
-        if tensor_model_parallel_size > 1 and not self.ddp_config.shards_parameters and (
-                self.ddp_config.overlap_grad_reduce):
-            raise ValueError("MegatronStrategy(tensor_model_parallel_size > 1) with data_parallel_sharding_strategy="
-                             "'no_shard' all-reduces gradients after backward; set overlap_grad_reduce=False, or "
-                             "use 'optim_grads' / 'optim_grads_params' (FSDP2 reduces during backward)")
         self.tensor_model_parallel_size = tensor_model_parallel_size
         self.sequence_parallel = sequence_parallel
         self.init_model_with_meta_device = init_model_with_meta_device
         self._device_mesh: DeviceMesh | None = None
         self._fsdp_modules: list[FSDPModule] = []
+        self._tensor_parallel_grad_reducer: GradientAllReducer | None = None
         self._zero: dict[Optimizer, ZeroOneSharding] = {}
 
     def on_train_batch_start(self, batch: Any, batch_idx: int, *args: Any) -> None:
@@ -210,7 +206,10 @@ class MegatronStrategy(DDPStrategy):
             apply_tensor_parallel(model, self.tensor_parallel_mesh, self.sequence_parallel, self.root_device)
             if not config.shards_parameters:
                 model.to(self.root_device)
-                return model  # DDP cannot reduce DTensor gradients: `backward` all-reduces them over dp
+                if self.data_parallel_mesh.size() > 1:  # DDP cannot reduce DTensor gradients
+                    self._tensor_parallel_grad_reducer = GradientAllReducer(
+                        model, self.data_parallel_mesh.get_group(), config.overlap_grad_reduce)
+                return model
         if config.shards_parameters:
             if any(True for _ in model.parameters(recurse=False)):
                 raise TypeError(f"{type(model).__name__} holds parameters itself; FSDP shards its submodules, "
@@ -237,8 +236,8 @@ class MegatronStrategy(DDPStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any,
                  **kwargs: Any) -> torch.Tensor:
         loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-        if self.tensor_model_parallel_size > 1 and not self.ddp_config.shards_parameters:
-            all_reduce_gradients(self.lightning_module, self.data_parallel_mesh.get_group())
+        if self._tensor_parallel_grad_reducer is not None:
+            self._tensor_parallel_grad_reducer.finish()
         if self.ddp_config.check_for_nan_in_grad:
             check_grads_finite(self.lightning_module, dist.group.WORLD, self.lightning_module.trainer.global_step)
         return loss

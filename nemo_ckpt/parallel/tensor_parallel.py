@@ -165,16 +165,47 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         parallelize_gpt(gpt, tp_mesh, sequence_parallel)
 
 
-@torch.no_grad()
-def all_reduce_gradients(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """Average the gradients' local shards over `group` (data parallelism of TP DTensors, which DDP cannot
-    reduce) in one coalesced all-reduce."""
-    grads = [param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-             for param in module.parameters() if param.grad is not None]
-    if not grads:
-        return
-    flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    flat.div_(group.size())
-    for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        grad.copy_(reduced)
+class GradientAllReducer:
+    """Data parallelism for tensor-parallel DTensor parameters, whose gradients DDP cannot reduce: averages each
+    gradient's local shard over the data-parallel `group`.
+
+    With `overlap_grad_reduce`, a gradient's all-reduce starts as soon as backward has accumulated it (one
+    parameter per bucket) and `finish()` waits for them; without, `finish()` reduces all gradients in one
+    coalesced all-reduce. Call `finish()` after every backward; averaging again after gradient accumulation
+    is exact, as the reduced part is already equal on every rank.
+    """
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, overlap_grad_reduce: bool) -> None:
+        self.module = module
+        self.group = group
+        self.pending: list[tuple[torch.Tensor, dist.Work]] = []
+        if overlap_grad_reduce:
+            for param in module.parameters():
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(self._start_all_reduce)
+
+    @staticmethod
+    def _local(grad: torch.Tensor) -> torch.Tensor:
+        return grad.to_local() if isinstance(grad, DTensor) else grad
+
+    def _start_all_reduce(self, param: torch.Tensor) -> None:
+        grad = self._local(param.grad)
+        self.pending.append((grad, dist.all_reduce(grad, group=self.group, async_op=True)))
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Complete the averaging of every gradient."""
+        if self.pending:
+            for grad, work in self.pending:
+                work.wait()
+                grad.div_(self.group.size())
+            self.pending.clear()
+            return
+        grads = [self._local(param.grad) for param in self.module.parameters() if param.grad is not None]
+        if not grads:
+            return
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.group)
+        flat.div_(self.group.size())
+        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(reduced)

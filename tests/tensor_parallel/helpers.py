@@ -1,6 +1,6 @@
 """Shared pieces of the tensor-parallel tests: a tiny GPT on a (dp, tp) mesh, its data and a training step."""
 
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from nemo_ckpt.data.mock import ArithmeticSequences
 from nemo_ckpt.models.gpt import GPT, GPTConfig
-from nemo_ckpt.parallel.tensor_parallel import build_device_mesh, parallelize_gpt
+from nemo_ckpt.parallel.tensor_parallel import GradientAllReducer, build_device_mesh, parallelize_gpt
 
 GLOBAL_BATCH_SIZE = 8
 
@@ -24,27 +24,37 @@ def global_batches(config: GPTConfig, steps: int, first_step: int = 0) -> Iterat
         yield torch.stack([s["tokens"] for s in samples]), torch.stack([s["labels"] for s in samples])
 
 
-def build_model(config: GPTConfig, tensor_parallel: int, sequence_parallel: bool, fsdp: bool) -> tuple[GPT, int, int]:
-    """A GPT (seed 0 init) with TP on the `tp` mesh and, with `fsdp`, `fully_shard` per layer on the `dp` mesh.
+class ParallelModel(NamedTuple):
+    model: GPT
+    dp_rank: int
+    dp_size: int
+    grad_reducer: GradientAllReducer | None
 
-    Returns the model, this rank's data-parallel rank and the data-parallel size.
-    """
+
+def build_model(config: GPTConfig, tensor_parallel: int, sequence_parallel: bool, fsdp: bool) -> ParallelModel:
+    """A GPT (seed 0 init) with TP on the `tp` mesh and, over the `dp` mesh, `fully_shard` per layer with `fsdp`,
+    else (dp > 1) gradients averaged by a `GradientAllReducer`."""
     torch.manual_seed(0)
     model = GPT(config)
     if not dist.is_initialized():
-        return model, 0, 1
+        return ParallelModel(model, 0, 1, None)
     mesh = build_device_mesh("cpu", tensor_parallel)
+    dp_mesh = mesh["dp"]
     if tensor_parallel > 1:
         parallelize_gpt(model, mesh["tp"], sequence_parallel)
+    grad_reducer = None
     if fsdp:
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-    return model, mesh["dp"].get_local_rank(), mesh["dp"].size()
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+    elif dp_mesh.size() > 1:
+        grad_reducer = GradientAllReducer(model, dp_mesh.get_group(), overlap_grad_reduce=False)
+    return ParallelModel(model, dp_mesh.get_local_rank(), dp_mesh.size(), grad_reducer)
 
 
-def train(model: GPT, optimizer: torch.optim.Optimizer, batches: Iterator, dp_rank: int, dp_size: int) -> list[float]:
+def train(parallel: ParallelModel, optimizer: torch.optim.Optimizer, batches: Iterator) -> list[float]:
     """Train on this rank's slice of each global batch; returns the global-batch mean loss of each step."""
+    model, dp_rank, dp_size, grad_reducer = parallel
     losses = []
     for tokens, labels in batches:
         micro = tokens.shape[0] // dp_size
@@ -52,6 +62,8 @@ def train(model: GPT, optimizer: torch.optim.Optimizer, batches: Iterator, dp_ra
         logits = model(tokens[rows])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels[rows].flatten())
         loss.backward()
+        if grad_reducer is not None:
+            grad_reducer.finish()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()

@@ -116,30 +116,32 @@ def template(model, optimizer) -> dict:
 
 def train_and_save(rank: int, world_size: int, layout: str, directory: str) -> dict[str, torch.Tensor]:
     config = gpt_config("tiny", **CONFIG)
-    model, dp_rank, dp_size = build_model(config, **LAYOUTS[layout])
+    parallel = build_model(config, **LAYOUTS[layout])
+    model = parallel.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    train(model, optimizer, global_batches(config, steps=3), dp_rank, dp_size)
+    train(parallel, optimizer, global_batches(config, steps=3))
     dist_checkpointing.save(template(model, optimizer), directory)
     return full_model_and_optimizer_state(model, optimizer)
 
 
 def load_and_continue(rank: int, world_size: int, layout: str, directory: str) -> tuple[dict, list[float]]:
     config = gpt_config("tiny", **CONFIG)
-    model, dp_rank, dp_size = build_model(config, **LAYOUTS[layout])
+    parallel = build_model(config, **LAYOUTS[layout])
+    model = parallel.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loaded = dist_checkpointing.load(template(model, optimizer), directory)
     model.load_state_dict(restore_dtensors(loaded["model"], model.state_dict()))
     set_optimizer_state_dict(model, optimizer,
                              restore_dtensors(loaded["optimizer"], get_optimizer_state_dict(model, optimizer)))
     state = full_model_and_optimizer_state(model, optimizer)
-    return state, train(model, optimizer, global_batches(config, steps=2, first_step=3), dp_rank, dp_size)
+    return state, train(parallel, optimizer, global_batches(config, steps=2, first_step=3))
 
 
 def train_uninterrupted(rank: int, world_size: int) -> list[float]:
     config = gpt_config("tiny", **CONFIG)
-    model, _, _ = build_model(config, 1, False, False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    return train(model, optimizer, global_batches(config, steps=5), 0, 1)[3:]
+    parallel = build_model(config, 1, False, False)
+    optimizer = torch.optim.AdamW(parallel.model.parameters(), lr=3e-3)
+    return train(parallel, optimizer, global_batches(config, steps=5))[3:]
 
 
 # TP=2 <-> FSDP DP=2 through MegatronStrategy: tests/tensor_parallel/test_strategy_tensor_parallel.py
