@@ -5,7 +5,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -13,11 +12,14 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from nemo_ckpt import dist_checkpointing
 from nemo_ckpt.models.gpt import gpt_config
-from nemo_ckpt.parallel.dtensor_sharding import (
-    dtensor_to_sharded_tensor,
+from nemo_ckpt.parallel.dtensor_sharding import dtensor_to_sharded_tensor
+from nemo_ckpt.sharding import (
+    init_optimizer_state,
+    load_module_state,
+    load_named_optimizer_state,
+    model_sharded_state_dict,
+    named_optimizer_state,
     optimizer_sharded_state_dict,
-    restore_dtensors,
-    sharded_state_dict,
 )
 from tests.distributed import run_distributed
 from tests.tensor_parallel.helpers import build_model, full_model_and_optimizer_state, global_batches, train
@@ -46,7 +48,8 @@ def convert_placements(rank: int, world_size: int, directory: str) -> dict[str, 
     reference = {f"fsdp_tp.{k}": v.detach().clone() for k, v in model.state_dict().items()}
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
-    sharded.update(sharded_state_dict(model.state_dict(), prefix="fsdp_tp."))
+    sharded.update({f"fsdp_tp.{key}": dtensor_to_sharded_tensor(f"fsdp_tp.{key}", value)
+                    for key, value in model.state_dict().items()})
     for name, sh_ten in sharded.items():
         whole = reference[name] if name in reference else torch.arange(
             torch.Size(sh_ten.global_shape).numel(), dtype=torch.float32).reshape(sh_ten.global_shape)
@@ -110,8 +113,12 @@ CONFIG = dict(num_query_groups=2)
 
 
 def template(model, optimizer) -> dict:
-    return {"model": sharded_state_dict(model.state_dict()),
-            "optimizer": optimizer_sharded_state_dict(get_optimizer_state_dict(model, optimizer))}
+    """What MegatronStrategy saves and loads into, without Lightning."""
+    init_optimizer_state(optimizer)
+    model_sharded = model_sharded_state_dict(model.state_dict(), replica_id=0)
+    names = {param: name for name, param in model.named_parameters()}
+    return {"model": model_sharded,
+            "optimizer": optimizer_sharded_state_dict(named_optimizer_state(optimizer, names), model_sharded)}
 
 
 def train_and_save(rank: int, world_size: int, layout: str, directory: str) -> dict[str, torch.Tensor]:
@@ -130,9 +137,9 @@ def load_and_continue(rank: int, world_size: int, layout: str, directory: str) -
     model = parallel.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loaded = dist_checkpointing.load(template(model, optimizer), directory)
-    model.load_state_dict(restore_dtensors(loaded["model"], model.state_dict()))
-    set_optimizer_state_dict(model, optimizer,
-                             restore_dtensors(loaded["optimizer"], get_optimizer_state_dict(model, optimizer)))
+    load_module_state(model, loaded["model"])
+    load_named_optimizer_state(optimizer, {param: name for name, param in model.named_parameters()},
+                               loaded["optimizer"])
     state = full_model_and_optimizer_state(model, optimizer)
     return state, train(parallel, optimizer, global_batches(config, steps=2, first_step=3))
 
