@@ -11,9 +11,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
-import torch
 
-from nemo_ckpt import dist_checkpointing
 from nemo_ckpt.comm_overlap import MegatronCommOverlapCallback
 from nemo_ckpt.data import MockDataModule
 from nemo_ckpt.ddp_config import DistributedDataParallelConfig
