@@ -14,6 +14,7 @@ A crash at any point leaves every visible `<name>` complete; the next run's `on_
 back whatever was in flight.
 """
 
+import errno
 import logging
 import os
 import shutil
@@ -225,6 +226,7 @@ class ModelCheckpoint(Callback):
         if (self.dirpath / record.name).exists() and replaced is None:
             raise FileExistsError(f"{self.dirpath / record.name} exists but {self.dirpath}/checkpoints.json does "
                                   "not list it; move it away or choose another dirpath")
+        self._check_space(manifest, record)
         position = manifest.checkpoints.index(replaced) if replaced else -1
         manifest.add(record)
         manifest.write(self.dirpath)
@@ -232,6 +234,18 @@ class ModelCheckpoint(Callback):
         tmp.mkdir()
         io.save_context(tmp, model=trainer.lightning_module, data=trainer.datamodule)
         return (position, replaced) if replaced else None
+
+    def _check_space(self, manifest: Manifest, record: CheckpointRecord) -> None:
+        """Refuse to start a save that cannot fit: one needs as much space as the last one of its kind took."""
+        alike = [r for r in manifest.complete() if r.weights_only == record.weights_only]
+        if not alike:
+            return
+        needed = sum(p.lstat().st_size for p in (self.dirpath / alike[-1].name).rglob("*") if p.is_file())
+        free = shutil.disk_usage(self.dirpath).free
+        if free < needed:
+            raise OSError(errno.ENOSPC, f"No space left for step {record.step} in {self.dirpath}: "
+                                        f"{free / 2**20:.1f} MiB free, its last checkpoint took {needed / 2**20:.1f} "
+                                        "MiB; free some space or choose another dirpath")
 
     def _abort(self, record: CheckpointRecord, tmp: Path, replaced: tuple[int, CheckpointRecord] | None) -> None:
         """Undo a failed save's `_begin` as far as the file system lets us; `recover` does the rest later.

@@ -13,8 +13,9 @@ SAVE_EVERY = 2
 
 
 class Progress(pl.Callback):
-    """Rank 0 appends `start <step>` once training starts (after any resume) and `step <step>` after each
-    optimizer step, before that step's checkpoint is saved; unbuffered, so a SIGKILL loses nothing written."""
+    """Rank 0 appends `start <step>` once training starts (after any resume), `step <step>` after each optimizer
+    step, before that step's checkpoint is saved, and `batch <step>` when the next batch starts (after that save
+    returned, before async saves are polled); unbuffered, so a SIGKILL loses nothing written."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -27,6 +28,9 @@ class Progress(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._event(trainer, f"start {trainer.global_step}")
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._event(trainer, f"batch {trainer.global_step}")
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self._event(trainer, f"step {trainer.global_step}")

@@ -185,11 +185,12 @@ def test_sigkill_at_random_moments_then_resume(forkserver, reference, tmp_path, 
         assert reached - newest <= max_lost, (f"trial {trial} ({plan}) reached step {reached} but the newest "
                                               f"complete checkpoint is {newest}: {disk}\n{run.output()}")
         interrupted_saves += disk.unfinished_save
-        interrupted_async_writes += disk.unfinished_save and any(reached > step for step in disk.saving_steps)
+        interrupted_async_writes += disk.unfinished_save and any(("batch", step) in events
+                                                                 for step in disk.saving_steps)
 
     assert interrupted_saves >= 1, "no kill landed in the middle of a save"
     if async_save:
-        assert interrupted_async_writes >= 1, "no kill landed while an async save was written during training"
+        assert interrupted_async_writes >= 1, "no kill landed while training went on with an async save in flight"
     assert resumes_checked >= TRIALS // 2
 
     run = Run(forkserver, directory, "final", async_save, save_top_k=2)

@@ -1,5 +1,6 @@
 """A save that cannot be written (disk full, directory made read-only mid-run, directory not writable from the
-start) fails with one clear error on every rank and leaves the earlier checkpoints intact and resumable."""
+start) fails with one clear error on every rank, before writing anything, and leaves the earlier checkpoints
+intact and resumable."""
 
 import os
 import re
@@ -17,7 +18,7 @@ from nemo_ckpt.model_checkpoint import TMP_PREFIX
 from tests.checkpointing.training import train
 from tests.distributed import run_distributed
 
-CHECKPOINT_MB = 1.8  # one tiny-recipe checkpoint
+CHECKPOINT_MB = 1.7  # one tiny-recipe checkpoint (1,775,393 bytes)
 
 
 def mount_tmpfs(path: Path, size: str) -> bool:
@@ -107,11 +108,12 @@ def test_disk_full_fails_clearly_keeps_earlier_checkpoints_and_resumes(outcome):
     if full is None:
         pytest.skip("needs permission to mount a small tmpfs (root)")
     for rank_errors in errors:
-        assert rank_errors["full"].startswith("ModelCheckpoint could not save step 3")
-        assert "The directory may be full (" in rank_errors["full"] and "earlier checkpoints" in rank_errors["full"]
+        assert rank_errors["full"].startswith("ModelCheckpoint: preparing")
+        assert "No space left for step 3" in rank_errors["full"]
+        free_mib, needed_mib = map(float, re.search(r"([\d.]+) MiB free, its last checkpoint took ([\d.]+) MiB",
+                                                    rank_errors["full"]).groups())
+        assert free_mib < needed_mib and abs(needed_mib - CHECKPOINT_MB) < 0.1
         assert rank_errors["full_resumed"] is None
-    free_mib = float(re.search(r"may be full \(([\d.]+) MiB free\)", errors[0]["full"]).group(1))
-    assert free_mib < CHECKPOINT_MB
     assert intact(full) == [1, 2, 3, 4], "after space was freed, the run resumed from step 2 and finished"
 
 
