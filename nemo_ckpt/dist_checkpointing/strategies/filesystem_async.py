@@ -121,7 +121,8 @@ class FileSystemWriterAsync:
     def _write_file(self, name: str, items: list[WriteItem]) -> list[WriteResult]:
         transforms = _StorageWriterTransforms()
         results = []
-        with open(self.checkpoint_dir / name, "wb") as stream:
+        with open(self.checkpoint_dir / name, "wb") as file:
+            stream = DeferredErrorStream(file)
             for item in items:
                 data = self.data[item.index]
                 if isinstance(data, io.BytesIO):
@@ -130,8 +131,9 @@ class FileSystemWriterAsync:
                     results.append(_write_item(transforms, stream, data, item, name, SerializationFormat.TORCH_SAVE))
                 else:
                     results.append(_write_tensor_without_crc(stream, data, item, name))
-            stream.flush()
-            os.fsync(stream.fileno())
+            stream.raise_deferred_error()
+            file.flush()
+            os.fsync(file.fileno())
         return results
 
     def finish(self) -> None:
@@ -180,7 +182,40 @@ class FileSystemWriterAsync:
         os.replace(tmp, self.checkpoint_dir / DCP_METADATA_FNAME)
 
 
-def _write_tensor_without_crc(stream: io.BufferedWriter, tensor: torch.Tensor, item: WriteItem,
+class DeferredErrorStream:
+    """A file whose failed write (disk full, I/O error) is raised after torch's zip writer is done with it.
+
+    torch's zip writer turns a failed write into a C++ exception, and a second one from its destructor aborts
+    the process; here the first error is kept, later writes are dropped, and `raise_deferred_error` raises it.
+    """
+
+    def __init__(self, file: io.BufferedWriter) -> None:
+        self.file = file
+        self.error: Optional[OSError] = None
+        self.position = file.tell()
+
+    def write(self, data) -> int:
+        size = memoryview(data).nbytes
+        if self.error is None:
+            try:
+                self.file.write(data)
+            except OSError as error:
+                self.error = error
+        self.position += size
+        return size
+
+    def tell(self) -> int:
+        return self.position
+
+    def flush(self) -> None:
+        """Data reaches the disk at the end of the file's write, with one flush and fsync."""
+
+    def raise_deferred_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def _write_tensor_without_crc(stream: DeferredErrorStream, tensor: torch.Tensor, item: WriteItem,
                               name: str) -> WriteResult:
     """``torch.save(tensor, stream)`` with zero CRC-32s (as with torch's ``compute_crc32=False``,
     but for this call only), recorded as DCP's ``_write_item`` records it."""
