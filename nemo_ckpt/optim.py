@@ -1,10 +1,11 @@
 """Optimizer and learning-rate schedule, configured with Megatron-Core's `OptimizerConfig` names."""
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 @dataclass
@@ -49,3 +50,16 @@ class OptimizerConfig:
     def build_scheduler(self, optimizer: torch.optim.Optimizer, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
         decay_steps = self.lr_decay_steps or max_steps
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: self.lr_factor(step, decay_steps))
+
+
+def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale the gradients in place so that their global L2 norm is at most `max_norm`; return that norm
+    (before clipping) as a plain tensor, the same on every rank.
+
+    Fused (`foreach`) norms and scaling, also for sharded (DTensor) gradients, for which torch's default
+    (`foreach=None`) falls back to one norm and one multiply per parameter; DTensor sums the partial norms of
+    the shards with one all-reduce.
+    """
+    total = torch.nn.utils.clip_grad_norm_([param for param in parameters if param.grad is not None], max_norm,
+                                           foreach=True)
+    return total.full_tensor() if isinstance(total, DTensor) else total

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from nemo_ckpt.io import IOMixin
 from nemo_ckpt.models.gpt import GPT, GPTConfig
-from nemo_ckpt.optim import OptimizerConfig
+from nemo_ckpt.optim import OptimizerConfig, clip_grad_norm
 
 
 class GPTModel(IOMixin, pl.LightningModule):
@@ -47,4 +47,4 @@ class GPTModel(IOMixin, pl.LightningModule):
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         if self.optim.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(self.parameters(), self.optim.clip_grad)
+            clip_grad_norm(self.parameters(), self.optim.clip_grad)
