@@ -63,11 +63,15 @@ def ddp_config_from(ddp: str | DistributedDataParallelConfig) -> DistributedData
 
 def check_grads_finite(module: nn.Module, group: dist.ProcessGroup, step: int) -> None:
     """Raise on every rank, naming the parameters, if any rank holds a NaN or Inf gradient."""
-    bad = [name for name, param in module.named_parameters()
-           if param.grad is not None and not torch.isfinite(local_tensor(param.grad)).all()]
-    flag = torch.tensor([float(bool(bad))], device=next(module.parameters()).device)
+    named_grads = [(name, local_tensor(param.grad)) for name, param in module.named_parameters()
+                   if param.grad is not None]
+    finite = torch.stack([grad.isfinite().all() for _, grad in named_grads]) if named_grads else None
+    flag = torch.zeros(1, device=next(module.parameters()).device)
+    if finite is not None:
+        flag[0] = (~finite).any().float()
     dist.all_reduce(flag, group=group)
     if flag.item():
+        bad = [name for (name, _), ok in zip(named_grads, finite.tolist()) if not ok] if finite is not None else []
         raise RuntimeError(
             f"check_for_nan_in_grad: NaN or Inf gradients at step {step} on rank {dist.get_rank()} in "
             f"{bad or 'no local parameter (another rank found them)'}; lower the learning rate, clip gradients or "
