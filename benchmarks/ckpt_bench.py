@@ -41,6 +41,7 @@ from nemo_ckpt.dist_checkpointing.strategies.torch import (  # noqa: E402
     TorchDistLoadShardedStrategy,
     TorchDistSaveShardedStrategy,
 )
+from results import write_section  # noqa: E402
 from tests.distributed import free_port  # noqa: E402
 
 TENSOR_BYTES = 64 << 20
@@ -267,14 +268,7 @@ def write_results(all_results: dict, text: str, path: Path, reps: int, note: str
                f"medians; ratios to `dd conv=fdatasync` (save, higher is better) and to a cold `dd` read (load). "
                f"`ours async (blocked)`: the time the training loop waits, as a ratio to cloning the state "
                f"(`memcpy`). {note}\n\n{text}\n\n![checkpoint speed](ckpt_speed.png)\n")
-    old = path.read_text() if path.exists() else ""
-    if SECTION in old:
-        start = old.index(SECTION)
-        end = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + section + ("" if end == -1 else old[end:])
-    else:
-        new = (old.rstrip() + "\n\n" if old else "# Benchmarks\n\n") + section
-    path.write_text(new)
+    write_section(section, path)
 
 
 def plot(all_results: dict, path: Path) -> None:

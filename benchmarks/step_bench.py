@@ -16,12 +16,10 @@ Writes the `## Step time` section of benchmarks/RESULTS.md.
 import argparse
 import os
 import platform
-import re
 import resource
 import socket
 import statistics
 import time
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
@@ -39,6 +37,7 @@ from nemo_ckpt.models import GPTModel, gpt_config
 from nemo_ckpt.models.gpt import GPT, TransformerLayer
 from nemo_ckpt.optim import OptimizerConfig
 from nemo_ckpt.strategy import MegatronStrategy
+from results import write_section
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params", "lightning_fsdp", "lightning_fsdp2")
 NAMES = {
@@ -51,7 +50,6 @@ NAMES = {
 }
 GLOBAL_BATCH_SIZE = 8
 WARMUP_STEPS = 3
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 SECTION = "## Step time"
 
 
@@ -237,17 +235,6 @@ def report(measured: dict[str, list[Run]], model_size: str, ranks: int, steps: i
         lines += ["", "Lightning's `FSDPStrategy` is not in the table: it refuses the CPU accelerator (GPU only)."]
     lines.append("")
     return "\n".join(lines)
-
-
-def write_section(section: str) -> None:
-    """Replace (or append) only the `## Step time` section of RESULTS.md."""
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section.rstrip("\n") + "\n\n", text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    RESULTS.write_text(text)
 
 
 def main() -> None:

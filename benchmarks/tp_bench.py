@@ -12,11 +12,9 @@ run the layouts in rotated order. Writes `## Tensor parallelism` in benchmarks/R
 import argparse
 import os
 import platform
-import re
 import socket
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,11 +24,11 @@ from torch.distributed.fsdp import fully_shard
 
 from nemo_ckpt.models.gpt import GPT, gpt_config
 from nemo_ckpt.parallel.tensor_parallel import build_device_mesh, parallelize_gpt
+from results import write_section
 
 LAYOUTS = ("fsdp", "tp2", "tp2_sp")
 GLOBAL_BATCH_SIZE = 8
 WARMUP_STEPS = 3
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 SECTION = "## Tensor parallelism"
 
 
@@ -136,17 +134,6 @@ def report(medians: dict[str, list[float]], model_size: str, steps: int, reps: i
         "",
     ]
     return "\n".join(lines)
-
-
-def write_section(section: str) -> None:
-    """Replace (or append) only the `## Tensor parallelism` section of RESULTS.md."""
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    RESULTS.write_text(text)
 
 
 def main() -> None:
