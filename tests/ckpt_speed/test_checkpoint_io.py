@@ -61,7 +61,7 @@ def reference(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("options", [
     {"ckpt_async_save": True},
     {"ckpt_parallel_save": True, "ckpt_parallel_load": True, "ckpt_parallel_save_optim": True,
-     "ckpt_torch_dist_multiproc": 2, "ckpt_assume_constant_structure": True},
+     "ckpt_torch_dist_multiproc": 3, "ckpt_assume_constant_structure": True},
 ], ids=["async", "parallel"])
 def test_killed_run_with_options_resumes_like_the_reference(reference, tmp_path, options):
     assert torchrun_with_options(tmp_path, 10, options, kill_at_step=7) != 0
@@ -70,10 +70,12 @@ def test_killed_run_with_options_resumes_like_the_reference(reference, tmp_path,
     assert torchrun_with_options(tmp_path, 10, options) == 0
     assert min(losses(tmp_path)) == 5
     assert losses(tmp_path) == {step: loss for step, loss in losses(reference).items() if step >= 5}
-    files_per_rank = options.get("ckpt_torch_dist_multiproc", 1)
+    files_per_rank = options.get("ckpt_torch_dist_multiproc", 2)
     weights = step_dir(tmp_path, 10) / "weights"
     assert (weights / "metadata.json").is_file()
-    assert len(list(weights.glob("*.distcp"))) == 2 * files_per_rank
+    files = {p.name for p in weights.glob("*.distcp")}
+    assert {f"__0_{i}.distcp" for i in range(files_per_rank)} <= files  # rank 0 has data for every writer
+    assert files <= {f"__{rank}_{i}.distcp" for rank in range(2) for i in range(files_per_rank)}
     expected = dc.load_plain_tensors(step_dir(reference, 10) / "weights")
     resumed = dc.load_plain_tensors(weights)
     assert expected.keys() == resumed.keys()

@@ -1,7 +1,8 @@
 """Writing torch_dist data in three steps, so the middle one can run in the background.
 
 1. ``prepare_write_data`` (training side): stage this rank's shards as CPU tensors (a copy for async
-   saves, so training may change the originals) and split them into ``thread_count`` files.
+   saves, so training may change the originals; with :class:`StagingBuffers` into the memory of the
+   previous save) and split them into ``thread_count`` files.
 2. ``write`` (any thread): each file ``__<rank>_<i>.distcp`` by its own thread, fsynced; every item
    serialized as ``torch.distributed.checkpoint.FileSystemWriter`` does (a ``torch.save`` zip), with
    or without the zip's CRC-32s (``torch.load`` never checks them; computing them is most of a
@@ -18,11 +19,12 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -39,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -64,14 +67,55 @@ def _item_nbytes(item: WriteItem, data: ItemData) -> int:
     return data.numel() * data.element_size()
 
 
-def _stage(data: ItemData, copy: bool) -> ItemData:
-    """A contiguous CPU tensor that owns exactly its bytes (torch.save writes a tensor's whole storage)."""
-    if isinstance(data, io.BytesIO):
-        return io.BytesIO(data.getvalue()) if copy else data
-    owns_storage = data.untyped_storage().nbytes() == data.numel() * data.element_size()
-    if copy or data.device.type != "cpu" or not owns_storage or not data.is_contiguous():
-        data = data.to("cpu", copy=True).contiguous()
-    return data
+def _needs_copy(tensor: torch.Tensor, copy: bool) -> bool:
+    """Whether ``tensor`` must be copied into a contiguous CPU tensor owning exactly its bytes (torch.save
+    writes a tensor's whole storage)."""
+    owns_storage = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    return copy or tensor.device.type != "cpu" or not owns_storage or not tensor.is_contiguous()
+
+
+class StagingBuffers:
+    """The CPU tensors a save copies its shards into, kept for the next save of the same structure.
+
+    Copying into memory that is already mapped costs a fraction of copying into new memory (which is
+    faulted in page by page). A save borrows the buffers from :meth:`stage` until its write is done; a
+    save staged while an earlier one still writes from them copies into new memory. On a CUDA host the
+    buffers are pinned and filled with non-blocking copies. They hold one copy of this rank's shards in
+    host memory between saves.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[MetadataIndex, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._lent = False
+
+    def stage(self, data: dict, copy: bool) -> tuple[dict, Callable[[], None]]:
+        """``data`` as CPU tensors (``copy``: never the originals) and the function that returns the buffers."""
+        with self._lock:
+            reuse, self._lent = not self._lent, True
+        buffers = self._buffers if reuse else {}
+        staged: dict = {}
+        for index, value in data.items():
+            if isinstance(value, io.BytesIO):
+                staged[index] = io.BytesIO(value.getvalue()) if copy else value
+            elif _needs_copy(value, copy):
+                buffer = buffers.get(index)
+                if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                    buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+                staged[index] = buffer.copy_(value, non_blocking=value.is_cuda)
+            else:
+                staged[index] = value
+        if any(isinstance(value, torch.Tensor) and value.is_cuda for value in data.values()):
+            torch.cuda.synchronize()
+        if not reuse:
+            return staged, lambda: None
+        self._buffers = {index: tensor for index, tensor in staged.items()
+                         if isinstance(tensor, torch.Tensor) and tensor is not data[index]}
+        return staged, self._release
+
+    def _release(self) -> None:
+        with self._lock:
+            self._lent = False
 
 
 def split_into_files(items: list[WriteItem], data: dict, bins: int) -> list[list[WriteItem]]:
@@ -89,13 +133,15 @@ class FileSystemWriterAsync:
     """One rank's part of a torch_dist save, split into prepare / write / finish (see module doc)."""
 
     def __init__(self, checkpoint_dir: Path, thread_count: int = 1, cache: Optional[MetadataCache] = None,
-                 crc32: bool = True) -> None:
+                 crc32: bool = True, staging: Optional[StagingBuffers] = None) -> None:
         if thread_count < 1:
             raise ValueError(f"thread_count={thread_count}: use 1 or more writer threads (files) per rank")
         self.checkpoint_dir = Path(checkpoint_dir)
         self.thread_count = thread_count
         self.cache = cache
         self.crc32 = crc32
+        self.staging = staging or StagingBuffers()
+        self.release_staging: Callable[[], None] = lambda: None
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.items: list[WriteItem] = []
         self.buckets: list[list[WriteItem]] = []
@@ -103,20 +149,23 @@ class FileSystemWriterAsync:
         self.results: list[WriteResult] = []
 
     def prepare_write_data(self, items: list[WriteItem], data: dict, copy: bool) -> None:
-        """Stage the data on CPU (``copy``: into new memory) and assign items to files."""
+        """Stage the data on CPU (``copy``: never the originals) and assign items to files."""
         self.items = items
-        self.data = {index: _stage(value, copy) for index, value in data.items()}
+        self.data, self.release_staging = self.staging.stage(data, copy)
         self.buckets = split_into_files(items, self.data, self.thread_count)
 
     def write(self) -> None:
         """Write every file (one thread each) and keep the write results for :meth:`finish`."""
         names = [f"__{self.rank}_{i}.distcp" for i in range(len(self.buckets))]
-        if len(self.buckets) == 1:
-            self.results = self._write_file(names[0], self.buckets[0])
-        else:
-            with ThreadPoolExecutor(len(self.buckets), thread_name_prefix="ckpt-file-writer") as pool:
-                self.results = [r for rs in pool.map(self._write_file, names, self.buckets) for r in rs]
-        self.data = {}
+        try:
+            if len(self.buckets) == 1:
+                self.results = self._write_file(names[0], self.buckets[0])
+            else:
+                with ThreadPoolExecutor(len(self.buckets), thread_name_prefix="ckpt-file-writer") as pool:
+                    self.results = [r for rs in pool.map(self._write_file, names, self.buckets) for r in rs]
+        finally:
+            self.data = {}
+            self.release_staging()
 
     def _write_file(self, name: str, items: list[WriteItem]) -> list[WriteResult]:
         transforms = _StorageWriterTransforms()
@@ -242,8 +291,9 @@ def build_state_dict_metadata(all_items: list[list[WriteItem]]) -> dict:
 
 
 def save_request(items: list[WriteItem], data: dict, checkpoint_dir: Path, thread_count: int, copy_to_cpu: bool,
-                 cache: Optional[MetadataCache] = None, crc32: bool = True) -> AsyncRequest:
+                 cache: Optional[MetadataCache] = None, crc32: bool = True,
+                 staging: Optional[StagingBuffers] = None) -> AsyncRequest:
     """Stage the data now; the request writes it (``async_fn``) and finishes the DCP checkpoint (finalize)."""
-    writer = FileSystemWriterAsync(checkpoint_dir, thread_count, cache, crc32)
+    writer = FileSystemWriterAsync(checkpoint_dir, thread_count, cache, crc32, staging)
     writer.prepare_write_data(items, data, copy=copy_to_cpu)
     return AsyncRequest(writer.write, (), [writer.finish])

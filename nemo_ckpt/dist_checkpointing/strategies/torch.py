@@ -52,7 +52,7 @@ from ..safe_globals import DCPMetadataUnpickler, UnsafeCheckpointError, safe_tor
 from .async_utils import AsyncRequest
 from .base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction, register_default_strategy
 from .fast_reader import read_items
-from .filesystem_async import MetadataCache, save_request
+from .filesystem_async import MetadataCache, StagingBuffers, save_request
 
 DCP_METADATA_FNAME = ".metadata"
 
@@ -181,15 +181,18 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
             False writes zeros (like torch's ``compute_crc32=False``): ``torch.load`` (DCP,
             Megatron-Core, this library) reads the files alike and never checks them, but other
             zip tools report the entries as corrupt. Saves take about half the CPU time.
+        reuse_staging_buffers: keep the CPU copies of an async save (and of GPU shards) for the next
+            save, which copies into them instead of into new memory (see :class:`StagingBuffers`).
     """
 
-    def __init__(self, backend: str = "torch_dist", version: int = 1, thread_count: int = 1,
-                 cached_metadata: bool = False, crc32: bool = True) -> None:
+    def __init__(self, backend: str = "torch_dist", version: int = 1, thread_count: int = 2,
+                 cached_metadata: bool = False, crc32: bool = True, reuse_staging_buffers: bool = False) -> None:
         super().__init__(backend, version)
         self.thread_count = thread_count
         self.cached_metadata = cached_metadata
         self.crc32 = crc32
         self._metadata_cache = MetadataCache() if cached_metadata else None
+        self._staging = StagingBuffers() if reuse_staging_buffers else None
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -198,12 +201,13 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
         items, data = build_write_items(sharded_state_dict)
         save_request(items, data, checkpoint_dir, self.thread_count, False, self._metadata_cache,
-                     self.crc32).execute_sync()
+                     self.crc32, self._staging).execute_sync()
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> AsyncRequest:
         """Copy this rank's main replicas to CPU now; the request writes them and finishes the checkpoint."""
         items, data = build_write_items(sharded_state_dict)
-        return save_request(items, data, checkpoint_dir, self.thread_count, True, self._metadata_cache, self.crc32)
+        return save_request(items, data, checkpoint_dir, self.thread_count, True, self._metadata_cache, self.crc32,
+                            self._staging)
 
 
 class SafeFileSystemReader(FileSystemReader):
