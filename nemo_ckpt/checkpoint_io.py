@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from torch.distributed import ProcessGroup
 
 from nemo_ckpt import dist_checkpointing
 from nemo_ckpt.dist_checkpointing.mapping import ShardedBase
@@ -41,12 +42,14 @@ class DistCheckpointIO(CheckpointIO):
         async_save: stage to CPU and write in the background; the checkpoint is completed (metadata.json,
             then `finalize_fn`) by `maybe_finalize`, which the strategy calls every step and at teardown.
         parallel_save: spread the writing of replicated model shards evenly over the ranks.
-        parallel_save_within_dp: spread it within the data-parallel group only; with pure data
-            parallelism (MegatronStrategy) that group is the world.
-        parallel_load: read each replicated shard once and broadcast it.
-        torch_dist_multiproc: writer threads (files) per rank; default 1.
-        assume_constant_structure: validate the sharding and compute the save distribution once, and
-            cache the checkpoint metadata between saves.
+        parallel_save_within_dp: spread it within the data-parallel group only (set by the strategy with
+            `set_data_parallel_group`; the world until then).
+        parallel_load: read each replicated shard once and broadcast it within the data-parallel group.
+        torch_dist_multiproc: writer threads (files) per rank; default 2, as in NeMo and Megatron-Core.
+        assume_constant_structure: validate the sharding and compute the save distribution once, cache the
+            checkpoint metadata between saves, and keep the CPU copies of async saves for the next save
+            (one copy of the rank's state stays in host memory; copying into it is several times faster
+            than into new memory).
         parallel_save_optim: spread the writing of the optimizer state too.
         load_directly_on_device: zarr loads put tensors on the current accelerator (torch_dist loads go
             straight into the template's tensors, wherever they are).
@@ -64,7 +67,7 @@ class DistCheckpointIO(CheckpointIO):
                              "`python -m nemo_ckpt.dist_checkpointing.converter`)")
         if torch_dist_multiproc is not None and torch_dist_multiproc < 1:
             raise ValueError(f"MegatronStrategy(ckpt_torch_dist_multiproc={torch_dist_multiproc}): use 1 or more "
-                             "writers per rank, or None for the default (1)")
+                             "writers per rank, or None for the default (2)")
         if load_strictness is not None:
             dist_checkpointing.validation.parse_strict_flag(load_strictness)
         self.save_ckpt_format = save_ckpt_format
@@ -78,14 +81,21 @@ class DistCheckpointIO(CheckpointIO):
         self.load_directly_on_device = load_directly_on_device
         self.load_strictness = load_strictness
         self.async_calls = AsyncCallsQueue() if async_save else None
+        self.data_parallel_group: ProcessGroup | None = None
         self._save_strategy = self._build_save_strategy()
         self._validated_sharding = False
+
+    def set_data_parallel_group(self, group: ProcessGroup | None) -> None:
+        """The ranks that hold replicas of the same shards (None: the world); call before the first save."""
+        self.data_parallel_group = group
+        self._save_strategy = self._build_save_strategy()
 
     def _build_save_strategy(self) -> Any:
         # crc32=False: torch.load (so DCP, Megatron-Core and our reader) never checks these CRCs, and computing
         # them is most of a save's CPU time; the files stay readable by all three.
-        strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=self.torch_dist_multiproc or 1,
-                                                cached_metadata=self.assume_constant_structure, crc32=False)
+        strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=self.torch_dist_multiproc or 2,
+                                                cached_metadata=self.assume_constant_structure, crc32=False,
+                                                reuse_staging_buffers=self.assume_constant_structure)
         if self.parallel_save and self.parallel_save_optim:
             include = None
         elif self.parallel_save:
@@ -94,8 +104,8 @@ class DistCheckpointIO(CheckpointIO):
             include = _is_optimizer_shard
         else:
             return strategy
-        # with pure data parallelism the data-parallel group is the world (None), within DP or not
-        return FullyParallelSaveStrategyWrapper(strategy, parallelization_group=None,
+        group = self.data_parallel_group if self.parallel_save_within_dp else None
+        return FullyParallelSaveStrategyWrapper(strategy, parallelization_group=group,
                                                 do_cache_distribution=self.assume_constant_structure, include=include)
 
     def _load_strategy(self, source: Path) -> Any:
@@ -105,7 +115,7 @@ class DistCheckpointIO(CheckpointIO):
         else:
             strategy = TorchDistLoadShardedStrategy()
         if self.parallel_load:
-            strategy = FullyParallelLoadStrategyWrapper(strategy)
+            strategy = FullyParallelLoadStrategyWrapper(strategy, parallelization_group=self.data_parallel_group)
         return strategy
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:

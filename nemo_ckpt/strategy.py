@@ -172,6 +172,7 @@ class MegatronStrategy(DDPStrategy):
         super().setup_environment()
         self._device_mesh = build_device_mesh(self.root_device.type, self.tensor_model_parallel_size,
                                               self.world_size)
+        self.checkpoint_io.set_data_parallel_group(self.data_parallel_mesh.get_group())
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:

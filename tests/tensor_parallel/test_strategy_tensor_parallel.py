@@ -3,7 +3,7 @@ sizes and data-parallel layouts with identical weights and optimizer state, and 
 
 One run is passed along a chain of layouts, 2 steps each: TP=2 + SP (2 ranks) -> TP=1 / FSDP DP=2 -> TP=2 with
 FSDP over dp=1 -> dp2 x tp2 FSDP + SP (4 ranks) -> TP=2 + SP with replicas over dp=2, gradients reduced during
-backward (4 ranks).
+backward (4 ranks). The 4-rank phases save and load in parallel within their data-parallel groups.
 """
 
 from pathlib import Path
@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+import torch.distributed as dist
 
 from nemo_ckpt.comm_overlap import MegatronCommOverlapCallback
 from nemo_ckpt.data import MockDataModule
@@ -25,16 +26,19 @@ from tests.strategy.training import RecordLoss, SaveAtStart, StopAndSave
 GLOBAL_BATCH_SIZE = 4
 MAX_STEPS = 10
 MODEL = {"num_query_groups": 2}
+PARALLEL_WITHIN_DP = {"ckpt_parallel_save": True, "ckpt_parallel_save_within_dp": True, "ckpt_parallel_load": True,
+                      "ckpt_parallel_save_optim": True}
 CHAIN = [
     (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True, "ddp": "megatron"}),
     (2, {"ddp": DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads_params")}),
     (2, {"tensor_model_parallel_size": 2, "ddp": DistributedDataParallelConfig(
         data_parallel_sharding_strategy="optim_grads")}),
     (4, {"tensor_model_parallel_size": 2, "sequence_parallel": True, "ddp": DistributedDataParallelConfig(
-        data_parallel_sharding_strategy="optim_grads_params", overlap_param_gather=True)}),
+        data_parallel_sharding_strategy="optim_grads_params", overlap_param_gather=True), **PARALLEL_WITHIN_DP}),
     (4, {"tensor_model_parallel_size": 2, "sequence_parallel": True, "ddp": DistributedDataParallelConfig(
-        overlap_grad_reduce=True, check_for_nan_in_grad=True)}),
+        overlap_grad_reduce=True, check_for_nan_in_grad=True), **PARALLEL_WITHIN_DP}),
 ]
+SAVE_GROUP = "ranks sharing the parallel save"
 Q_PROJ = "module.layers.0.self_attention.q_proj.weight"
 NORM = "module.layers.0.input_layernorm.weight"
 
@@ -72,7 +76,9 @@ def train_phase(rank: int, world_size: int, phase: int, directory: Path) -> tupl
         callbacks.append(SaveAtStart(directory / f"loaded{stop_at - 2}"))
     trainer = fit(world_size, MAX_STEPS, strategy_kwargs, callbacks, ckpt_path=resume_from)
     model_shards = trainer.strategy.sharded_state_dict()["state_dict"]
-    return recorder.losses, {key: describe(model_shards[key]) for key in (Q_PROJ, NORM)}
+    save_group = getattr(trainer.strategy.checkpoint_io._save_strategy, "parallelization_group", None)
+    return recorder.losses, {**{key: describe(model_shards[key]) for key in (Q_PROJ, NORM)},
+                             SAVE_GROUP: None if save_group is None else dist.get_process_group_ranks(save_group)}
 
 
 def uninterrupted(rank: int, world_size: int) -> list[float]:
@@ -120,6 +126,13 @@ def test_sharded_state_dict_expresses_tensor_parallel_shards_and_data_parallel_r
     assert [rank[Q_PROJ][1:] for rank in shards[4]] == [((0, 0), (2, 1), (0,)), ((32, 0), (2, 1), (0,)),
                                                         ((0, 0), (2, 1), (1,)), ((32, 0), (2, 1), (1,))]
     assert [rank[NORM][3] for rank in shards[4]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_parallel_save_within_dp_spreads_over_the_data_parallel_group(chain):
+    _, _, shards = chain
+    assert [rank[SAVE_GROUP] for rank in shards[0]] == [None, None], "no parallel save: plain strategy"
+    for phase in (3, 4):  # (dp, tp) mesh, tp inner: tp rank 0 = ranks 0, 2
+        assert [rank[SAVE_GROUP] for rank in shards[phase]] == [[0, 2], [1, 3], [0, 2], [1, 3]]
 
 
 def overlap_on_cpu(rank: int, world_size: int) -> str:
