@@ -4,11 +4,14 @@
 
 The state is a list of 64 MiB float32 tensors, each split along dim 0 over the ranks (as FSDP or tensor
 parallelism shards them): a rank holds size / ranks bytes. Per repetition every contestant runs once, in
-an order rotated each repetition, so the VM's fast and slow page-cache regimes hit all of them alike.
-Times are the slowest rank's, between two barriers. Loads start cold (page cache dropped, when root).
+an order shuffled each repetition (the same on every rank). Every save and load starts with the page cache
+dropped (when root): this VM gives free page-cache memory back to its host, so without that a write is fast
+or slow depending on what ran before it. Times are the slowest rank's, between two barriers; a save's time
+does not include removing the previous repetition's files.
 The 1-rank run also loads the 2-rank checkpoints (a reshard). megatron-core is used when importable
 (e.g. PYTHONPATH=/tmp/mcore-site); its CUDA calls are made no-ops on CPU.
-Writes `## Checkpoint speed` in benchmarks/RESULTS.md and benchmarks/ckpt_speed.png.
+Writes `## Checkpoint speed` in benchmarks/RESULTS.md and benchmarks/ckpt_speed.png. Needs about 10x the
+largest size of free disk under --dir.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -47,6 +51,9 @@ from tests.distributed import free_port  # noqa: E402
 TENSOR_BYTES = 64 << 20
 ROW = 4096  # float32 values per row
 SECTION = "## Checkpoint speed"
+SAVE_DIRS = {"dd": "dd", "torch.save": "torch_save", "dcp": "dcp", "ours": "ours", "ours async": "ours_async",
+             "megatron-core": "mcore"}
+RESHARD_SOURCES = {"dd", "dcp", "ours", "mcore"}  # the 2-rank saves that the 1-rank run loads
 
 
 def megatron_dist_checkpointing():
@@ -72,6 +79,7 @@ def config_dir(size: int, world: int) -> str:
 
 
 def drop_caches() -> None:
+    """Write back and drop the page cache (root only), on rank 0, then barrier."""
     if dist.get_rank() == 0 and os.geteuid() == 0:
         subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], check=False)
     dist.barrier()
@@ -103,13 +111,16 @@ class Contestants:
         self.ours_async = self.ours_save_strategy()
         self.validated: set[str] = set()
 
-    def fresh(self, name: str) -> Path:
-        path = self.root / name
-        if self.rank == 0:
+    def clear(self, contestant: str) -> None:
+        """An empty directory for ``contestant``'s save."""
+        if contestant in SAVE_DIRS and self.rank == 0:
+            path = self.root / SAVE_DIRS[contestant]
             shutil.rmtree(path, ignore_errors=True)
             path.mkdir(parents=True)
         dist.barrier()
-        return path
+
+    def path(self, contestant: str) -> Path:
+        return self.root / SAVE_DIRS[contestant]
 
     def sharded(self, lib, template: bool = False) -> dict:
         return {key: lib.ShardedTensor.from_rank_offsets(key, self.targets[key] if template else t,
@@ -124,9 +135,11 @@ class Contestants:
 
     def ours_save_strategy(self) -> FullyParallelSaveStrategyWrapper:
         """The spec's best practice (parallel save, 2 writers per rank, constant structure), as DistCheckpointIO
-        saves: without the zip CRCs, which no loader checks."""
-        return FullyParallelSaveStrategyWrapper(
-            TorchDistSaveShardedStrategy(thread_count=2, cached_metadata=True, crc32=False), do_cache_distribution=True)
+        saves with those options: without the zip CRCs, which no loader checks, and (async) staging into the
+        CPU buffers of the previous save."""
+        strategy = TorchDistSaveShardedStrategy(thread_count=2, cached_metadata=True, crc32=False,
+                                                reuse_staging_buffers=True)
+        return FullyParallelSaveStrategyWrapper(strategy, do_cache_distribution=True)
 
     def validate_once(self, name: str) -> bool:
         """With a constant structure the sharding is validated at the first save only (as DistCheckpointIO does)."""
@@ -135,36 +148,31 @@ class Contestants:
         return first
 
     def save_dd(self) -> None:
-        path = self.fresh("dd") / f"rank{self.rank}"
+        path = self.path("dd") / f"rank{self.rank}"
         count = sum(t.numel() * t.element_size() for t in self.state.values()) // (1 << 20)
         subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={count}", "conv=fdatasync",
                         "status=none"], check=True)
 
     def save_torch(self) -> None:
-        path = self.fresh("torch_save") / f"rank{self.rank}.pt"
-
+        path = self.path("torch.save") / f"rank{self.rank}.pt"
         with open(path, "wb") as f:
             torch.save(self.state, f)
             f.flush()
             os.fsync(f.fileno())
 
     def save_dcp(self) -> None:
-        path = self.fresh("dcp")
-        torch.distributed.checkpoint.save(self.dtensors(), checkpoint_id=path)
+        torch.distributed.checkpoint.save(self.dtensors(), checkpoint_id=self.path("dcp"))
 
     def save_mcore(self) -> None:
-        path = self.fresh("mcore")
-        self.mcore.save(self.sharded(self.mcore), path)
+        self.mcore.save(self.sharded(self.mcore), self.path("megatron-core"))
 
     def save_ours(self) -> None:
-        path = self.fresh("ours")
-        dc.save(self.sharded(dc), path, self.ours_sync, validate_access_integrity=self.validate_once("sync"))
+        dc.save(self.sharded(dc), self.path("ours"), self.ours_sync,
+                validate_access_integrity=self.validate_once("sync"))
 
     def save_ours_async(self) -> None:
-        path = self.fresh("ours_async")
-
         def schedule() -> None:
-            request = dc.save(self.sharded(dc), path, self.ours_async, async_sharded_save=True,
+            request = dc.save(self.sharded(dc), self.path("ours async"), self.ours_async, async_sharded_save=True,
                               validate_access_integrity=self.validate_once("async"))
             self.queue.schedule_async_request(request)
         self.blocked = timed(schedule)
@@ -217,14 +225,19 @@ def run_rank(rank: int, world: int, port: int, size: int, reps: int, root: str, 
             loads["megatron-core"] = lambda: c.load_mcore("mcore")
     load_times: dict[str, list[float]] = {name: [] for name in loads}
     for rep in range(reps):
+        shuffle = random.Random(rep).shuffle
         if reshard_from is None:
-            order = list(saves)[rep % len(saves):] + list(saves)[:rep % len(saves)]
+            order = list(saves)
+            shuffle(order)
             for name in order:
+                c.clear(name)
+                drop_caches()
                 elapsed = timed(saves[name])
                 times[name].append(elapsed)
                 if name == "ours async":
                     times["ours async (blocked)"].append(c.blocked)
-        order = list(loads)[rep % len(loads):] + list(loads)[:rep % len(loads)]
+        order = list(loads)
+        shuffle(order)
         for name in order:
             drop_caches()
             load_times[name].append(timed(loads[name]))
@@ -264,32 +277,39 @@ def table(all_results: dict) -> str:
 
 
 def write_results(all_results: dict, text: str, path: Path, reps: int, note: str) -> None:
-    section = (f"{SECTION}\n\n`python benchmarks/ckpt_bench.py` on this 2-core VM, {reps} interleaved repetitions, "
-               f"medians; ratios to `dd conv=fdatasync` (save, higher is better) and to a cold `dd` read (load). "
-               f"`ours async (blocked)`: the time the training loop waits, as a ratio to cloning the state "
-               f"(`memcpy`). {note}\n\n{text}\n\n![checkpoint speed](ckpt_speed.png)\n")
+    section = (f"{SECTION}\n\n`python benchmarks/ckpt_bench.py` on this 2-core VM, {reps} interleaved repetitions "
+               f"(shuffled order, page cache dropped before every save and load), medians; ratios to "
+               f"`dd conv=fdatasync` (save, higher is better) and to a cold `dd` read (load). "
+               f"`ours async (blocked)`: the time the training loop waits, as a ratio to cloning the state into "
+               f"new memory (`memcpy`). {note}\n\n{text}\n\n![checkpoint speed](ckpt_speed.png)\n")
     write_section(section, path)
 
 
 def plot(all_results: dict, path: Path) -> None:
+    """One row of panels per size: save and load medians of every contestant, per rank configuration."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    configs = list(all_results)
-    fig, axes = plt.subplots(1, len(configs), figsize=(4.5 * len(configs), 4), squeeze=False)
-    for ax, config in zip(axes[0], configs):
-        result = all_results[config]
-        bars = {f"save {k}": statistics.median(v) for k, v in result.get("save", {}).items()}
-        bars.update({f"load {k}": statistics.median(v) for k, v in result.get("load", {}).items()})
-        ax.barh(list(bars), list(bars.values()), color=["tab:blue" if k.startswith("save") else "tab:green"
-                                                        for k in bars])
-        ax.set_title(f"{config[0]} GiB, {config[1]} rank(s){' reshard' if config[2] != 'same' else ''}")
-        ax.set_xlabel("median seconds")
-        ax.invert_yaxis()
+    sizes = list(dict.fromkeys(config[0] for config in all_results))
+    columns = max(sum(config[0] == size for config in all_results) for size in sizes)
+    fig, axes = plt.subplots(len(sizes), columns, figsize=(4.5 * columns, 4 * len(sizes)), squeeze=False)
+    for row, size in zip(axes, sizes):
+        configs = [config for config in all_results if config[0] == size]
+        for ax in row[len(configs):]:
+            ax.axis("off")
+        for ax, config in zip(row, configs):
+            result = all_results[config]
+            bars = {f"save {k}": statistics.median(v) for k, v in result.get("save", {}).items()}
+            bars.update({f"load {k}": statistics.median(v) for k, v in result.get("load", {}).items()})
+            ax.barh(list(bars), list(bars.values()),
+                    color=["tab:blue" if k.startswith("save") else "tab:green" for k in bars])
+            ax.set_title(f"{size} GiB, {config[1]} rank(s){' reshard' if config[2] != 'same' else ''}")
+            ax.set_xlabel("median seconds")
+            ax.invert_yaxis()
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=80)
 
 
 def main() -> None:
@@ -308,6 +328,9 @@ def main() -> None:
         for world in args.ranks:
             print(f"{size_gib} GiB on {world} rank(s)", flush=True)
             all_results[(size_gib, world, "same")] = run_config(size, world, args.reps, args.dir)
+            if world == 2:
+                for name in set(SAVE_DIRS.values()) - RESHARD_SOURCES:
+                    shutil.rmtree(args.dir / config_dir(size, 2) / name, ignore_errors=True)
             if world == 1 and 2 in args.ranks:
                 print(f"{size_gib} GiB reshard 2 -> 1", flush=True)
                 all_results[(size_gib, 1, "reshard")] = run_config(

@@ -93,20 +93,12 @@ class StagingBuffers:
         """``data`` as CPU tensors (``copy``: never the originals) and the function that returns the buffers."""
         with self._lock:
             reuse, self._lent = not self._lent, True
-        buffers = self._buffers if reuse else {}
-        staged: dict = {}
-        for index, value in data.items():
-            if isinstance(value, io.BytesIO):
-                staged[index] = io.BytesIO(value.getvalue()) if copy else value
-            elif _needs_copy(value, copy):
-                buffer = buffers.get(index)
-                if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-                    buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
-                staged[index] = buffer.copy_(value, non_blocking=value.is_cuda)
-            else:
-                staged[index] = value
-        if any(isinstance(value, torch.Tensor) and value.is_cuda for value in data.values()):
-            torch.cuda.synchronize()
+        try:
+            staged = _copy_into(data, self._buffers if reuse else {}, copy)
+        except BaseException:
+            if reuse:
+                self._release()
+            raise
         if not reuse:
             return staged, lambda: None
         self._buffers = {index: tensor for index, tensor in staged.items()
@@ -116,6 +108,24 @@ class StagingBuffers:
     def _release(self) -> None:
         with self._lock:
             self._lent = False
+
+
+def _copy_into(data: dict, buffers: dict[MetadataIndex, torch.Tensor], copy: bool) -> dict:
+    """``data`` staged on CPU, into ``buffers`` where their shape and dtype still fit."""
+    staged: dict = {}
+    for index, value in data.items():
+        if isinstance(value, io.BytesIO):
+            staged[index] = io.BytesIO(value.getvalue()) if copy else value
+        elif _needs_copy(value, copy):
+            buffer = buffers.get(index)
+            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+            staged[index] = buffer.copy_(value, non_blocking=value.is_cuda)
+        else:
+            staged[index] = value
+    if any(isinstance(value, torch.Tensor) and value.is_cuda for value in data.values()):
+        torch.cuda.synchronize()
+    return staged
 
 
 def split_into_files(items: list[WriteItem], data: dict, bins: int) -> list[list[WriteItem]]:
