@@ -2,8 +2,10 @@
 the next save copies into the same memory, a save staged while an earlier one still writes gets new
 memory, and every checkpoint holds the values of its own save call."""
 
+import gc
 import io
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,8 @@ import torch
 
 from nemo_ckpt import dist_checkpointing as dc
 from nemo_ckpt.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
-from nemo_ckpt.dist_checkpointing.strategies.filesystem_async import StagingBuffers
+from nemo_ckpt.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync, StagingBuffers
+from nemo_ckpt.dist_checkpointing.strategies.torch import build_write_items
 from nemo_ckpt.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from tests.distributed import run_distributed
 
@@ -55,6 +58,18 @@ def test_changed_shape_or_dtype_gets_a_new_buffer_and_sync_saves_copy_only_what_
     synced, _ = StagingBuffers().stage({"plain": plain, "view": view, "blob": blob}, copy=False)
     assert synced["plain"] is plain and synced["blob"] is blob
     assert synced["view"].is_contiguous() and synced["view"].untyped_storage().nbytes() == 16
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_copies_live_past_the_write_only_when_kept(tmp_path, keep):
+    items, data = build_write_items({"w": dc.ShardedTensor.from_rank_offsets("w", torch.ones(4, 4))})
+    writer = FileSystemWriterAsync(tmp_path, staging=StagingBuffers() if keep else None)
+    writer.prepare_write_data(items, data, copy=True)
+    (staged,) = [weakref.ref(t) for t in writer.data.values()]
+    writer.write()
+    gc.collect()
+    assert (staged() is not None) == keep, "without kept buffers the copy is freed once written"
+    assert writer.results[0].size_in_bytes > 0
 
 
 def state(rank: int, world_size: int, value: float, template: bool = False) -> dict:

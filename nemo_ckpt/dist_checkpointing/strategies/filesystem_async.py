@@ -37,11 +37,11 @@ from torch.distributed.checkpoint.filesystem import (
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
+    MetadataIndex,
     StorageMeta,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -150,7 +150,7 @@ class FileSystemWriterAsync:
         self.thread_count = thread_count
         self.cache = cache
         self.crc32 = crc32
-        self.staging = staging or StagingBuffers()
+        self.staging = staging
         self.release_staging: Callable[[], None] = lambda: None
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.items: list[WriteItem] = []
@@ -159,9 +159,13 @@ class FileSystemWriterAsync:
         self.results: list[WriteResult] = []
 
     def prepare_write_data(self, items: list[WriteItem], data: dict, copy: bool) -> None:
-        """Stage the data on CPU (``copy``: never the originals) and assign items to files."""
+        """Stage the data on CPU (``copy``: never the originals; into the kept buffers of ``staging``, if
+        any) and assign items to files."""
         self.items = items
-        self.data, self.release_staging = self.staging.stage(data, copy)
+        if self.staging is None:
+            self.data = _copy_into(data, {}, copy)
+        else:
+            self.data, self.release_staging = self.staging.stage(data, copy)
         self.buckets = split_into_files(items, self.data, self.thread_count)
 
     def write(self) -> None:
