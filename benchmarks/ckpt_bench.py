@@ -25,8 +25,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,8 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from results import write_section  # noqa: E402
 
 from nemo_ckpt import dist_checkpointing as dc  # noqa: E402
 from nemo_ckpt.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: E402
@@ -45,14 +47,19 @@ from nemo_ckpt.dist_checkpointing.strategies.torch import (  # noqa: E402
     TorchDistLoadShardedStrategy,
     TorchDistSaveShardedStrategy,
 )
-from results import write_section  # noqa: E402
-from tests.distributed import free_port  # noqa: E402
+from tests.helpers.distributed import free_port  # noqa: E402
 
 TENSOR_BYTES = 64 << 20
 ROW = 4096  # float32 values per row
 SECTION = "## Checkpoint speed"
-SAVE_DIRS = {"dd": "dd", "torch.save": "torch_save", "dcp": "dcp", "ours": "ours", "ours async": "ours_async",
-             "megatron-core": "mcore"}
+SAVE_DIRS = {
+    "dd": "dd",
+    "torch.save": "torch_save",
+    "dcp": "dcp",
+    "ours": "ours",
+    "ours async": "ours_async",
+    "megatron-core": "mcore",
+}
 RESHARD_SOURCES = {"dd", "dcp", "ours", "mcore"}  # the 2-rank saves that the 1-rank run loads
 
 
@@ -123,22 +130,28 @@ class Contestants:
         return self.root / SAVE_DIRS[contestant]
 
     def sharded(self, lib, template: bool = False) -> dict:
-        return {key: lib.ShardedTensor.from_rank_offsets(key, self.targets[key] if template else t,
-                                                         (0, self.rank, self.world))
-                for key, t in self.state.items()}
+        return {
+            key: lib.ShardedTensor.from_rank_offsets(
+                key, self.targets[key] if template else t, (0, self.rank, self.world)
+            )
+            for key, t in self.state.items()
+        }
 
     def dtensors(self, template: bool = False) -> dict:
         from torch.distributed.tensor import DTensor, Shard
 
-        return {key: DTensor.from_local(self.targets[key] if template else t, self.mesh, [Shard(0)],
-                                        run_check=False) for key, t in self.state.items()}
+        return {
+            key: DTensor.from_local(self.targets[key] if template else t, self.mesh, [Shard(0)], run_check=False)
+            for key, t in self.state.items()
+        }
 
     def ours_save_strategy(self) -> FullyParallelSaveStrategyWrapper:
         """The spec's best practice (parallel save, 2 writers per rank, constant structure), as DistCheckpointIO
         saves with those options: without the zip CRCs, which no loader checks, and (async) staging into the
         CPU buffers of the previous save."""
-        strategy = TorchDistSaveShardedStrategy(thread_count=2, cached_metadata=True, crc32=False,
-                                                reuse_staging_buffers=True)
+        strategy = TorchDistSaveShardedStrategy(
+            thread_count=2, cached_metadata=True, crc32=False, reuse_staging_buffers=True
+        )
         return FullyParallelSaveStrategyWrapper(strategy, do_cache_distribution=True)
 
     def validate_once(self, name: str) -> bool:
@@ -150,8 +163,9 @@ class Contestants:
     def save_dd(self) -> None:
         path = self.path("dd") / f"rank{self.rank}"
         count = sum(t.numel() * t.element_size() for t in self.state.values()) // (1 << 20)
-        subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={count}", "conv=fdatasync",
-                        "status=none"], check=True)
+        subprocess.run(
+            ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={count}", "conv=fdatasync", "status=none"], check=True
+        )
 
     def save_torch(self) -> None:
         path = self.path("torch.save") / f"rank{self.rank}.pt"
@@ -167,14 +181,21 @@ class Contestants:
         self.mcore.save(self.sharded(self.mcore), self.path("megatron-core"))
 
     def save_ours(self) -> None:
-        dc.save(self.sharded(dc), self.path("ours"), self.ours_sync,
-                validate_access_integrity=self.validate_once("sync"))
+        dc.save(
+            self.sharded(dc), self.path("ours"), self.ours_sync, validate_access_integrity=self.validate_once("sync")
+        )
 
     def save_ours_async(self) -> None:
         def schedule() -> None:
-            request = dc.save(self.sharded(dc), self.path("ours async"), self.ours_async, async_sharded_save=True,
-                              validate_access_integrity=self.validate_once("async"))
+            request = dc.save(
+                self.sharded(dc),
+                self.path("ours async"),
+                self.ours_async,
+                async_sharded_save=True,
+                validate_access_integrity=self.validate_once("async"),
+            )
             self.queue.schedule_async_request(request)
+
         self.blocked = timed(schedule)
         self.queue.maybe_finalize_async_calls(blocking=True)
 
@@ -183,8 +204,9 @@ class Contestants:
 
     def load_dd(self, source: str, files: list[str]) -> None:
         for name in files:
-            subprocess.run(["dd", f"if={self.root / source / name}", "of=/dev/null", "bs=4M", "status=none"],
-                           check=True)
+            subprocess.run(
+                ["dd", f"if={self.root / source / name}", "of=/dev/null", "bs=4M", "status=none"], check=True
+            )
 
     def load_torch(self) -> None:
         torch.load(self.root / "torch_save" / f"rank{self.rank}.pt", weights_only=True)
@@ -196,31 +218,47 @@ class Contestants:
         self.mcore.load(self.sharded(self.mcore, template=True), self.root / source)
 
     def load_ours(self, source: str) -> None:
-        dc.load(self.sharded(dc, template=True), self.root / source,
-                FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy()))
+        dc.load(
+            self.sharded(dc, template=True),
+            self.root / source,
+            FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy()),
+        )
 
 
-def run_rank(rank: int, world: int, port: int, size: int, reps: int, root: str, reshard_from: str | None,
-             results: dict) -> None:
+def run_rank(
+    rank: int, world: int, port: int, size: int, reps: int, root: str, reshard_from: str | None, results: dict
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     c = Contestants(Path(root) / config_dir(size, world), size, rank, world)
-    saves: dict[str, Callable[[], None]] = {"dd": c.save_dd, "torch.save": c.save_torch, "dcp": c.save_dcp,
-                                            "ours": c.save_ours, "ours async": c.save_ours_async, "memcpy": c.memcpy}
+    saves: dict[str, Callable[[], None]] = {
+        "dd": c.save_dd,
+        "torch.save": c.save_torch,
+        "dcp": c.save_dcp,
+        "ours": c.save_ours,
+        "ours async": c.save_ours_async,
+        "memcpy": c.memcpy,
+    }
     if c.mcore is not None:
         saves["megatron-core"] = c.save_mcore
     times: dict[str, list[float]] = {name: [] for name in saves}
     times["ours async (blocked)"] = []
     loads: dict[str, Callable[[], None]] = {
-        "dd": lambda: c.load_dd("dd", [f"rank{rank}"]), "torch.load": c.load_torch,
-        "dcp": lambda: c.load_dcp("dcp"), "ours": lambda: c.load_ours("ours")}
+        "dd": lambda: c.load_dd("dd", [f"rank{rank}"]),
+        "torch.load": c.load_torch,
+        "dcp": lambda: c.load_dcp("dcp"),
+        "ours": lambda: c.load_ours("ours"),
+    }
     if c.mcore is not None:
         loads["megatron-core"] = lambda: c.load_mcore("mcore")
     if reshard_from is not None:
         source = Path(reshard_from)
         c.root = source  # read the 2-rank checkpoints
-        loads = {"dd": lambda: c.load_dd("dd", sorted(p.name for p in (source / "dd").iterdir())),
-                 "dcp": lambda: c.load_dcp("dcp"), "ours": lambda: c.load_ours("ours")}
+        loads = {
+            "dd": lambda: c.load_dd("dd", sorted(p.name for p in (source / "dd").iterdir())),
+            "dcp": lambda: c.load_dcp("dcp"),
+            "ours": lambda: c.load_ours("ours"),
+        }
         if c.mcore is not None:
             loads["megatron-core"] = lambda: c.load_mcore("mcore")
     load_times: dict[str, list[float]] = {name: [] for name in loads}
@@ -251,15 +289,28 @@ def run_rank(rank: int, world: int, port: int, size: int, reps: int, root: str, 
 def run_config(size: int, world: int, reps: int, root: Path, reshard_from: Path | None = None) -> dict:
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(run_rank, args=(world, free_port(), size, reps, str(root),
-                                 None if reshard_from is None else str(reshard_from), results), nprocs=world)
+        mp.spawn(
+            run_rank,
+            args=(
+                world,
+                free_port(),
+                size,
+                reps,
+                str(root),
+                None if reshard_from is None else str(reshard_from),
+                results,
+            ),
+            nprocs=world,
+        )
         return dict(results)
 
 
 def table(all_results: dict) -> str:
     """Markdown: medians per contestant and their ratios to dd (async: blocked time to memcpy)."""
-    lines = ["| size | ranks | contestant | save median s | save: dd / it | load median s (cold) | load: dd / it |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| size | ranks | contestant | save median s | save: dd / it | load median s (cold) | load: dd / it |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for (size_gib, ranks, kind), result in all_results.items():
         save = {k: statistics.median(v) for k, v in result.get("save", {}).items()}
         load = {k: statistics.median(v) for k, v in result.get("load", {}).items()}
@@ -270,18 +321,27 @@ def table(all_results: dict) -> str:
                 ratio = f"{s / save['memcpy']:.2f} x memcpy"
             else:
                 ratio = f"{save['dd'] / s:.2f}" if s and "dd" in save else ""
-            cells = [f"{size_gib} GiB", label, name, "" if s is None else f"{s:.2f}", ratio,
-                     "" if ld is None else f"{ld:.2f}", f"{load['dd'] / ld:.2f}" if ld and "dd" in load else ""]
+            cells = [
+                f"{size_gib} GiB",
+                label,
+                name,
+                "" if s is None else f"{s:.2f}",
+                ratio,
+                "" if ld is None else f"{ld:.2f}",
+                f"{load['dd'] / ld:.2f}" if ld and "dd" in load else "",
+            ]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def write_results(all_results: dict, text: str, path: Path, reps: int, note: str) -> None:
-    section = (f"{SECTION}\n\n`python benchmarks/ckpt_bench.py` on this 2-core VM, {reps} interleaved repetitions "
-               f"(shuffled order, page cache dropped before every save and load), medians; ratios to "
-               f"`dd conv=fdatasync` (save, higher is better) and to a cold `dd` read (load). "
-               f"`ours async (blocked)`: the time the training loop waits, as a ratio to cloning the state into "
-               f"new memory (`memcpy`). {note}\n\n{text}\n\n![checkpoint speed](ckpt_speed.png)\n")
+    section = (
+        f"{SECTION}\n\n`python benchmarks/ckpt_bench.py` on this 2-core VM, {reps} interleaved repetitions "
+        f"(shuffled order, page cache dropped before every save and load), medians; ratios to "
+        f"`dd conv=fdatasync` (save, higher is better) and to a cold `dd` read (load). "
+        f"`ours async (blocked)`: the time the training loop waits, as a ratio to cloning the state into "
+        f"new memory (`memcpy`). {note}\n\n{text}\n\n![checkpoint speed](ckpt_speed.png)\n"
+    )
     write_section(section, path)
 
 
@@ -297,14 +357,17 @@ def plot(all_results: dict, path: Path) -> None:
     fig, axes = plt.subplots(len(sizes), columns, figsize=(4.5 * columns, 4 * len(sizes)), squeeze=False)
     for row, size in zip(axes, sizes):
         configs = [config for config in all_results if config[0] == size]
-        for ax in row[len(configs):]:
+        for ax in row[len(configs) :]:
             ax.axis("off")
         for ax, config in zip(row, configs):
             result = all_results[config]
             bars = {f"save {k}": statistics.median(v) for k, v in result.get("save", {}).items()}
             bars.update({f"load {k}": statistics.median(v) for k, v in result.get("load", {}).items()})
-            ax.barh(list(bars), list(bars.values()),
-                    color=["tab:blue" if k.startswith("save") else "tab:green" for k in bars])
+            ax.barh(
+                list(bars),
+                list(bars.values()),
+                color=["tab:blue" if k.startswith("save") else "tab:green" for k in bars],
+            )
             ax.set_title(f"{size} GiB, {config[1]} rank(s){' reshard' if config[2] != 'same' else ''}")
             ax.set_xlabel("median seconds")
             ax.invert_yaxis()
@@ -334,7 +397,8 @@ def main() -> None:
             if world == 1 and 2 in args.ranks:
                 print(f"{size_gib} GiB reshard 2 -> 1", flush=True)
                 all_results[(size_gib, 1, "reshard")] = run_config(
-                    size, 1, args.reps, args.dir, reshard_from=args.dir / config_dir(size, 2))
+                    size, 1, args.reps, args.dir, reshard_from=args.dir / config_dir(size, 2)
+                )
             print(json.dumps({k: v for k, v in all_results[(size_gib, world, "same")].items()}), flush=True)
         shutil.rmtree(args.dir, ignore_errors=True)
     text = table(all_results)

@@ -27,17 +27,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from results import write_section
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from nemo_ckpt.data import MockDataModule
-from nemo_ckpt.ddp_config import DistributedDataParallelConfig
 from nemo_ckpt.models import GPTModel, gpt_config
 from nemo_ckpt.models.gpt import GPT, TransformerLayer
 from nemo_ckpt.optim import OptimizerConfig
+from nemo_ckpt.parallel.ddp_config import DistributedDataParallelConfig
 from nemo_ckpt.strategy import MegatronStrategy
-from results import write_section
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params", "lightning_fsdp", "lightning_fsdp2")
 NAMES = {
@@ -117,8 +117,9 @@ def strategy_and_model(name: str, model_size: str, ranks: int) -> tuple[pl.strat
         return ModelParallelStrategy(data_parallel_size=ranks, tensor_parallel_size=1), FSDP2GPTModel(config, optim)
     # overlap_param_gather (prefetching) pays off with GPU streams; on gloo it only adds work
     overlap_param_gather = name != "no_shard" and torch.cuda.is_available()
-    ddp = DistributedDataParallelConfig(data_parallel_sharding_strategy=name, overlap_grad_reduce=True,
-                                        overlap_param_gather=overlap_param_gather)
+    ddp = DistributedDataParallelConfig(
+        data_parallel_sharding_strategy=name, overlap_grad_reduce=True, overlap_param_gather=overlap_param_gather
+    )
     return MegatronStrategy(ddp=ddp), GPTModel(config, optim)
 
 
@@ -132,13 +133,20 @@ def default_threads(ranks: int) -> int:
     return max(1, (os.cpu_count() or 1) // ranks)
 
 
-def worker(rank: int, ranks: int, port: int, name: str, model_size: str, steps: int, threads: int,
-           results: Any) -> None:
+def worker(
+    rank: int, ranks: int, port: int, name: str, model_size: str, steps: int, threads: int, results: Any
+) -> None:
     # Every strategy gets `threads`: Lightning sets the thread count only through its launchers (DDPStrategy,
     # so MegatronStrategy, always has one; ModelParallelStrategy none for processes started outside it, as
     # here), and only where OMP_NUM_THREADS is unset
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(ranks),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS=str(threads))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(ranks),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS=str(threads),
+    )
     torch.set_num_threads(threads)
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=ranks)
@@ -146,25 +154,47 @@ def worker(rank: int, ranks: int, port: int, name: str, model_size: str, steps: 
         pl.seed_everything(0, verbose=False)
         strategy, model = strategy_and_model(name, model_size, ranks)
         config = model.config
-        data = MockDataModule(seq_length=config.seq_length, vocab_size=config.vocab_size,
-                              micro_batch_size=GLOBAL_BATCH_SIZE // ranks, global_batch_size=GLOBAL_BATCH_SIZE)
+        data = MockDataModule(
+            seq_length=config.seq_length,
+            vocab_size=config.vocab_size,
+            micro_batch_size=GLOBAL_BATCH_SIZE // ranks,
+            global_batch_size=GLOBAL_BATCH_SIZE,
+        )
         measure = Measure()
-        trainer = pl.Trainer(accelerator="gpu" if cuda else "cpu", devices=ranks, strategy=strategy,
-                             max_steps=WARMUP_STEPS + steps, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                             limit_val_batches=0, num_sanity_val_steps=0, callbacks=[measure])
+        trainer = pl.Trainer(
+            accelerator="gpu" if cuda else "cpu",
+            devices=ranks,
+            strategy=strategy,
+            max_steps=WARMUP_STEPS + steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            callbacks=[measure],
+        )
         rss_before = current_rss_bytes()
         trainer.fit(model, datamodule=data)
-        peak = (torch.cuda.max_memory_allocated() if cuda
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before)
+        peak = (
+            torch.cuda.max_memory_allocated()
+            if cuda
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
+        )
         per_rank: list[Any] = [None] * ranks
-        dist.all_gather_object(per_rank, (measure.times[WARMUP_STEPS:], measure.cpu_times[WARMUP_STEPS:],
-                                          measure.state_bytes, peak))
+        dist.all_gather_object(
+            per_rank, (measure.times[WARMUP_STEPS:], measure.cpu_times[WARMUP_STEPS:], measure.state_bytes, peak)
+        )
         if rank == 0:
             slowest = [max(step) for step in zip(*(times for times, _, _, _ in per_rank))]
             slowest_cpu = [max(step) for step in zip(*(cpu for _, cpu, _, _ in per_rank))]
-            results[name] = (statistics.median(slowest), statistics.median(slowest_cpu),
-                             max(b for _, _, b, _ in per_rank), max(p for _, _, _, p in per_rank))
+            results[name] = (
+                statistics.median(slowest),
+                statistics.median(slowest_cpu),
+                max(b for _, _, b, _ in per_rank),
+                max(p for _, _, _, p in per_rank),
+            )
     finally:
         dist.destroy_process_group()
 
@@ -186,51 +216,62 @@ def run(model_size: str, ranks: int, steps: int, reps: int, threads: int) -> dic
     measured: dict[str, list[Run]] = {name: [] for name in names}
     with mp.Manager() as manager:
         for rep in range(reps):
-            for name in names[rep % len(names):] + names[:rep % len(names)]:
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
                 results = manager.dict()
                 mp.spawn(worker, args=(ranks, free_port(), name, model_size, steps, threads, results), nprocs=ranks)
                 measured[name].append(Run(*results[name]))
-                print(f"{name}: {measured[name][-1].time * 1e3:.1f} ms/step, "
-                      f"{measured[name][-1].cpu_time * 1e3:.1f} ms CPU", flush=True)
+                print(
+                    f"{name}: {measured[name][-1].time * 1e3:.1f} ms/step, "
+                    f"{measured[name][-1].cpu_time * 1e3:.1f} ms CPU",
+                    flush=True,
+                )
     return measured
 
 
-def report(measured: dict[str, list[Run]], model_size: str, ranks: int, steps: int, reps: int,
-           threads: int) -> str:
+def report(measured: dict[str, list[Run]], model_size: str, ranks: int, steps: int, reps: int, threads: int) -> str:
     config = gpt_config(model_size)
     median_time = {name: statistics.median(run.time for run in runs) for name, runs in measured.items()}
     median_cpu = {name: statistics.median(run.cpu_time for run in runs) for name, runs in measured.items()}
     lightning = [name for name in ("lightning_fsdp", "lightning_fsdp2") if name in measured]
     baseline = min(median_time[name] for name in lightning)
     baseline_cpu = min(median_cpu[name] for name in lightning)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else (
-        f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}), gloo")
+    device = (
+        torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else (f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}), gloo")
+    )
     lines = [
         SECTION,
         "",
-        (f"`python benchmarks/step_bench.py --model {model_size} --ranks {ranks} --steps {steps} --reps {reps} "
-         f"--threads {threads}` on {device}, torch {torch.__version__}, {ranks} ranks with {threads} torch "
-         f"thread(s) each (every strategy). Model `{model_size}` ({config.num_parameters() / 1e6:.1f}M "
-         f"parameters, seq {config.seq_length}), global batch {GLOBAL_BATCH_SIZE}, AdamW, gradients clipped to "
-         "norm 1.0 (the same `GPTModel` hook on every strategy); MegatronStrategy with `overlap_grad_reduce` and, "
-         "on GPUs when sharded, `overlap_param_gather`; Lightning's FSDP2 sharded as `optim_grads_params` (each "
-         "layer and the embedding a unit, resharded after forward; the root kept gathered). Step time: slowest "
-         "rank, median of the steps after 3 warm-up steps, median over "
-         f"{reps} repetitions in rotated order (range in brackets). CPU time: the same for the process CPU time "
-         "per step. Model state: parameters + gradients + optimizer state held per rank. Peak: resident memory "
-         "added during `fit` per rank (max over ranks)."),
+        (
+            f"`python benchmarks/step_bench.py --model {model_size} --ranks {ranks} --steps {steps} --reps {reps} "
+            f"--threads {threads}` on {device}, torch {torch.__version__}, {ranks} ranks with {threads} torch "
+            f"thread(s) each (every strategy). Model `{model_size}` ({config.num_parameters() / 1e6:.1f}M "
+            f"parameters, seq {config.seq_length}), global batch {GLOBAL_BATCH_SIZE}, AdamW, gradients clipped to "
+            "norm 1.0 (the same `GPTModel` hook on every strategy); MegatronStrategy with `overlap_grad_reduce` and, "
+            "on GPUs when sharded, `overlap_param_gather`; Lightning's FSDP2 sharded as `optim_grads_params` (each "
+            "layer and the embedding a unit, resharded after forward; the root kept gathered). Step time: slowest "
+            "rank, median of the steps after 3 warm-up steps, median over "
+            f"{reps} repetitions in rotated order (range in brackets). CPU time: the same for the process CPU time "
+            "per step. Model state: parameters + gradients + optimizer state held per rank. Peak: resident memory "
+            "added during `fit` per rank (max over ranks)."
+        ),
         "",
-        ("| strategy | step time (ms) | vs best Lightning | CPU time / step (ms) | vs best Lightning | "
-         "model state / rank (MB) | peak added / rank (MB) |"),
+        (
+            "| strategy | step time (ms) | vs best Lightning | CPU time / step (ms) | vs best Lightning | "
+            "model state / rank (MB) | peak added / rank (MB) |"
+        ),
         "|---|---|---|---|---|---|---|",
     ]
     for name, runs in measured.items():
         times = [run.time for run in runs]
         state = max(run.state_bytes for run in runs)
         peak = statistics.median(run.peak_bytes for run in runs)
-        lines.append(f"| {NAMES[name]} | {median_time[name] * 1e3:.1f} ({min(times) * 1e3:.1f}–"
-                     f"{max(times) * 1e3:.1f}) | {median_time[name] / baseline:.2f}x | {median_cpu[name] * 1e3:.1f} | "
-                     f"{median_cpu[name] / baseline_cpu:.2f}x | {state / 2**20:.1f} | {peak / 2**20:.1f} |")
+        lines.append(
+            f"| {NAMES[name]} | {median_time[name] * 1e3:.1f} ({min(times) * 1e3:.1f}–"
+            f"{max(times) * 1e3:.1f}) | {median_time[name] / baseline:.2f}x | {median_cpu[name] * 1e3:.1f} | "
+            f"{median_cpu[name] / baseline_cpu:.2f}x | {state / 2**20:.1f} | {peak / 2**20:.1f} |"
+        )
     if "lightning_fsdp" not in measured:
         lines += ["", "Lightning's `FSDPStrategy` is not in the table: it refuses the CPU accelerator (GPU only)."]
     lines.append("")
@@ -243,13 +284,23 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads per rank, for every strategy (default: CPU cores / ranks)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per rank, for every strategy (default: CPU cores / ranks)",
+    )
     parser.add_argument("--no-write", action="store_true", help="print the table without writing RESULTS.md")
     args = parser.parse_args()
     threads = args.threads or default_threads(args.ranks)
-    section = report(run(args.model, args.ranks, args.steps, args.reps, threads), args.model, args.ranks,
-                     args.steps, args.reps, threads)
+    section = report(
+        run(args.model, args.ranks, args.steps, args.reps, threads),
+        args.model,
+        args.ranks,
+        args.steps,
+        args.reps,
+        threads,
+    )
     print(section)
     if not args.no_write:
         write_section(section)

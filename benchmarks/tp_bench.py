@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from results import write_section
 from torch.distributed.fsdp import fully_shard
 
-from nemo_ckpt.models.gpt import GPT, gpt_config
-from nemo_ckpt.parallel.tensor_parallel import build_device_mesh, parallelize_gpt
-from results import write_section
+from nemo_ckpt.models.gpt import GPT, gpt_config, parallelize_gpt
+from nemo_ckpt.parallel.mesh import build_device_mesh
 
 LAYOUTS = ("fsdp", "tp2", "tp2_sp")
 GLOBAL_BATCH_SIZE = 8
@@ -55,7 +55,7 @@ def step_times(layout: str, model_size: str, steps: int) -> list[float]:
     times = []
     for _ in range(WARMUP_STEPS + steps):
         tokens = torch.randint(config.vocab_size, (GLOBAL_BATCH_SIZE, config.seq_length + 1), generator=generator)
-        tokens = tokens[dp_rank * micro:(dp_rank + 1) * micro]
+        tokens = tokens[dp_rank * micro : (dp_rank + 1) * micro]
         dist.barrier()
         start = time.perf_counter()
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
@@ -93,7 +93,7 @@ def run(model_size: str, steps: int, reps: int, threads: int) -> dict[str, list[
     medians: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
     with mp.Manager() as manager:
         for rep in range(reps):
-            order = list(LAYOUTS[rep % len(LAYOUTS):] + LAYOUTS[:rep % len(LAYOUTS)])
+            order = list(LAYOUTS[rep % len(LAYOUTS) :] + LAYOUTS[: rep % len(LAYOUTS)])
             results = manager.dict()
             mp.spawn(worker, args=(free_port(), order, model_size, steps, threads, results), nprocs=2, join=True)
             for layout in LAYOUTS:
@@ -101,8 +101,9 @@ def run(model_size: str, steps: int, reps: int, threads: int) -> dict[str, list[
     return medians
 
 
-def report(medians: dict[str, list[float]], model_size: str, steps: int, reps: int, threads: int,
-           load_average: float) -> str:
+def report(
+    medians: dict[str, list[float]], model_size: str, steps: int, reps: int, threads: int, load_average: float
+) -> str:
     config = gpt_config(model_size)
     baseline = statistics.median(medians["fsdp"])
     names = {"fsdp": "FSDP (`fully_shard`, dp=2)", "tp2": "TP=2", "tp2_sp": "TP=2 + sequence parallel"}
@@ -122,15 +123,17 @@ def report(medians: dict[str, list[float]], model_size: str, steps: int, reps: i
     ]
     for layout in LAYOUTS:
         median = statistics.median(medians[layout])
-        lines.append(f"| {names[layout]} | {median * 1e3:.1f} | {min(medians[layout]) * 1e3:.1f}–"
-                     f"{max(medians[layout]) * 1e3:.1f} | {median / baseline:.2f}x |")
+        lines.append(
+            f"| {names[layout]} | {median * 1e3:.1f} | {min(medians[layout]) * 1e3:.1f}–"
+            f"{max(medians[layout]) * 1e3:.1f} | {median / baseline:.2f}x |"
+        )
     lines += [
         "",
         "Communication per step: FSDP all-gathers each layer's weights (forward and backward) and "
         "reduce-scatters its gradients; TP=2 all-reduces activations after each attention and MLP block "
         "(forward and backward) and, with sequence parallelism, all-gathers and reduce-scatters them instead, "
         "running norms and residuals on half the sequence. All collectives block on gloo; on GPUs they overlap "
-        "with GEMMs (`tp_comm_overlap`, nemo_ckpt/comm_overlap.py).",
+        "with GEMMs (`tp_comm_overlap`, nemo_ckpt/strategy/comm_overlap.py).",
         "",
     ]
     return "\n".join(lines)

@@ -1,11 +1,12 @@
 """The `nemo nemo_ckpt ...` command line: the `pretrain` entry point, its recipes and executors in NeMo-Run.
 
-    nemo nemo_ckpt pretrain --factory tiny trainer.max_steps=20 run.executor=local --yes
-    nemo nemo_ckpt pretrain --factory tiny run.executor=slurm run.executor.account=llm --dryrun
+nemo nemo_ckpt pretrain --factory tiny trainer.max_steps=20 run.executor=local --yes
+nemo nemo_ckpt pretrain --factory tiny run.executor=slurm run.executor.account=llm --dryrun
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Optional
+from typing import Literal
 
 import nemo_run as run
 from nemo_run.cli.api import RunContext
@@ -20,7 +21,7 @@ from nemo_ckpt.api import pretrain
 class DryRunShowsScript(RunContext):
     """NeMo-Run's run context; with a Slurm executor, `--dryrun` also prints the sbatch script it would submit."""
 
-    task: Optional[run.Partial] = field(init=False, default=None)
+    task: run.Partial | None = field(init=False, default=None)
 
     def parse_fn(self, fn: Callable, args: list[str], **default_args) -> run.Partial:
         self.task = super().parse_fn(fn, args, **default_args)

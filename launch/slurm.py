@@ -13,7 +13,7 @@ Behaviour of NeMo-Run 0.11.1 worth knowing:
   torchrun dies of SIGUSR1 unless told to handle it, so ``slurm_executor`` adds the signal
   to ``PET_SIGNALS_TO_HANDLE`` and sets ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` to its lead time:
   torchrun then forwards it and waits that long for the workers, whose
-  ``nemo_ckpt.preemption.PreemptionCallback`` checkpoints, stops and requeues the job.
+  ``nemo_ckpt.checkpoint.preemption.PreemptionCallback`` checkpoints, stops and requeues the job.
   ``B:`` (batch shell only) is refused: NeMo-Run's batch script does not trap it and dies;
 * ``env_vars`` become unquoted ``export KEY=value`` lines, so ``$VAR`` expands there;
 * ``container_*`` need Pyxis on the cluster; without an image srun runs in the job dir,
@@ -33,13 +33,13 @@ import shlex
 import shutil
 import socket
 from dataclasses import asdict
-from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import nemo_run as run
 from nemo_run.config import RUNDIR_NAME, get_nemorun_home
 
-from nemo_ckpt.preemption import signal_number
+from nemo_ckpt._compat import nemo_run_experiment_dir
+from nemo_ckpt.checkpoint.preemption import signal_number
 
 _TIME = re.compile(r"^(\d+-\d+(:[0-5]\d){0,2}|\d+(:[0-5]\d){0,2})$")
 _SIGNAL = re.compile(r"^(?P<flags>[RB]{1,2}:)?(?P<name>[A-Z0-9]+)(@(?P<seconds>\d+))?$")
@@ -50,32 +50,33 @@ JOB_NAME_PREFIX = "nemo_ckpt."
 
 
 def slurm_executor(
-    account: Optional[str] = None,
-    partition: Optional[str] = None,
+    account: str | None = None,
+    partition: str | None = None,
     nodes: int = 1,
     ntasks_per_node: int = 1,
     gpus_per_node: int = 0,
-    cpus_per_task: Optional[int] = None,
+    cpus_per_task: int | None = None,
     time: str = "00:30:00",
-    container_image: Optional[str] = None,
-    container_mounts: Optional[list[str]] = None,
-    env_vars: Optional[dict[str, str]] = None,
-    host: Optional[str] = None,
-    user: Optional[str] = None,
-    identity: Optional[str] = None,
-    port: Optional[int] = None,
+    container_image: str | None = None,
+    container_mounts: list[str] | None = None,
+    env_vars: dict[str, str] | None = None,
+    host: str | None = None,
+    user: str | None = None,
+    identity: str | None = None,
+    port: int | None = None,
     job_dir: str = "",
-    packager: Optional[run.Packager] = None,
-    signal: Optional[str] = None,
+    packager: run.Packager | None = None,
+    signal: str | None = None,
     retries: int = 0,
-    additional_parameters: Optional[dict[str, Any]] = None,
+    additional_parameters: dict[str, Any] | None = None,
 ) -> run.SlurmExecutor:
     """A validated ``run.SlurmExecutor`` running torchrun with ``ntasks_per_node`` ranks per node.
 
     ``host``/``user``/``job_dir`` (``identity``, ``port``) select an SSH tunnel to a login node
     (``job_dir`` is the cluster-side experiments dir); without ``host`` jobs are submitted
     with the local ``sbatch``. ``signal="USR1@120"`` asks Slurm for SIGUSR1 120 s before the
-    time limit, on which the recipe's ``PreemptionCallback`` checkpoints and requeues the job. ``partition=None`` uses the cluster's default partition. The default
+    time limit, on which the recipe's ``PreemptionCallback`` checkpoints and requeues the job.
+    ``partition=None`` uses the cluster's default partition. The default
     packager ships no code: the job runs with the code and Python already on the
     cluster (shared file system or ``container_image``). torchrun is the only task per
     node, so ``cpus_per_task`` is the CPU share of all ranks on a node.
@@ -111,7 +112,7 @@ def slurm_executor(
     return executor
 
 
-def torchrun_signal_env(slurm_signal: Optional[str]) -> dict[str, str]:
+def torchrun_signal_env(slurm_signal: str | None) -> dict[str, str]:
     """Env vars that make torchrun forward ``--signal``'s signal and wait its lead time for the workers."""
     match = _SIGNAL.match(slurm_signal or "")
     if not match:
@@ -149,21 +150,28 @@ def validate(executor: run.SlurmExecutor) -> None:
         errors.append(f"time {e.time!r} is not a Slurm time limit (MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]])")
     if mounts and not e.container_image:
         errors.append("container_mounts need a container_image")
-    errors += [f"container mount {m!r} is not SRC:DST[:FLAGS]" for m in mounts
-               if len(m.split(":")) not in (2, 3) or not all(m.split(":")[:2])]
+    errors += [
+        f"container mount {m!r} is not SRC:DST[:FLAGS]"
+        for m in mounts
+        if len(m.split(":")) not in (2, 3) or not all(m.split(":")[:2])
+    ]
     errors += [f"env var name {k!r} is not a shell identifier" for k in e.env_vars if not _ENV_NAME.match(k)]
     jobs_root = e.tunnel.job_dir or get_nemorun_home()
     if not e.container_image and f"/{RUNDIR_NAME}" in jobs_root:
-        errors.append(f"job dir {jobs_root!r} contains '/{RUNDIR_NAME}', which NeMo-Run rewrites "
-                      "in sbatch scripts of jobs without a container")
+        errors.append(
+            f"job dir {jobs_root!r} contains '/{RUNDIR_NAME}', which NeMo-Run rewrites "
+            "in sbatch scripts of jobs without a container"
+        )
     if isinstance(e.tunnel, run.SSHTunnel) and not (e.tunnel.user and e.tunnel.job_dir):
         errors.append("an SSH tunnel (host) needs user and job_dir")
     signal_match = _SIGNAL.match(e.signal or "")
     if e.signal is not None and not signal_match:
         errors.append(f"signal {e.signal!r} is not [R:]SIG[@seconds], e.g. USR1@60")
     elif signal_match and "B" in (signal_match["flags"] or ""):
-        errors.append(f"signal {e.signal!r} goes to the batch shell only, which NeMo-Run's sbatch script does "
-                      f"not trap (the job dies); drop 'B:' so torchrun and the workers get it, e.g. USR1@60")
+        errors.append(
+            f"signal {e.signal!r} goes to the batch shell only, which NeMo-Run's sbatch script does "
+            f"not trap (the job dies); drop 'B:' so torchrun and the workers get it, e.g. USR1@60"
+        )
     elif signal_match:
         try:
             signal_number(signal_match["name"])
@@ -184,11 +192,15 @@ def slurm() -> run.Config[run.SlurmExecutor]:
 def sbatch_options(executor: run.SlurmExecutor) -> list[str]:
     """The resource options (``--nodes=2`` ...) NeMo-Run puts in the executor's sbatch script."""
     executor.get_launcher()  # torchrun turns ntasks_per_node into one agent per node
-    params = {k: v for k, v in asdict(executor).items()
-              if v is not None and k in run.SlurmExecutor.SBATCH_FLAGS and k != "job_name"}
+    params = {
+        k: v
+        for k, v in asdict(executor).items()
+        if v is not None and k in run.SlurmExecutor.SBATCH_FLAGS and k != "job_name"
+    }
     params |= executor.additional_parameters or {}
-    return [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}"
-            for k, v in sorted(params.items())]
+    return [
+        f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}" for k, v in sorted(params.items())
+    ]
 
 
 def check_submittable(executor: run.SlurmExecutor, timeout: float = 10) -> str:
@@ -205,16 +217,19 @@ def check_submittable(executor: run.SlurmExecutor, timeout: float = 10) -> str:
         try:
             socket.create_connection(address, timeout=timeout).close()
         except OSError as error:
-            raise ValueError(f"SSH tunnel: cannot reach {tunnel.host}:{address[1]} ({error}); "
-                             "check host/port, or your VPN") from error
+            raise ValueError(
+                f"SSH tunnel: cannot reach {tunnel.host}:{address[1]} ({error}); check host/port, or your VPN"
+            ) from error
     cmd = ["sbatch", "--test-only", *sbatch_options(executor), "--wrap=true"]
     result = tunnel.run(shlex.join(cmd), hide=True, warn=True, in_stream=False)
     message = (result.stderr + result.stdout).strip()
     if result.return_code != 0:
         hint = ""
         if "account" in message.lower():
-            hint = (f"; set account= to one of your Slurm accounts (account={executor.account!r} is not one; "
-                    "`sacctmgr show assoc user=$USER format=account` lists them)")
+            hint = (
+                f"; set account= to one of your Slurm accounts (account={executor.account!r} is not one; "
+                "`sacctmgr show assoc user=$USER format=account` lists them)"
+            )
         raise ValueError(f"Slurm rejects this job ({shlex.join(cmd)}): {message}{hint}")
     return message
 
@@ -224,7 +239,7 @@ def sbatch_script(task: run.Partial | run.Script, executor: run.SlurmExecutor, n
     with run.Experiment(f"dryrun-{name}", executor=executor, log_level="WARN") as experiment:
         experiment.add(task, name=name)
         experiment.dryrun(log=False, delete_exp_dir=False)
-    experiment_dir = Path(experiment._exp_dir)
+    experiment_dir = nemo_run_experiment_dir(experiment)
     try:
         return next(experiment_dir.glob("*_sbatch.sh")).read_text()
     finally:

@@ -4,16 +4,22 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
-from nemo_ckpt import io
+from nemo_ckpt.checkpoint import context
+from nemo_ckpt.checkpoint.resume import AutoResume
+from nemo_ckpt.checkpoint.rng import RNGStateCallback
 from nemo_ckpt.logger import NeMoLogger
 from nemo_ckpt.optim import OptimizerConfig
-from nemo_ckpt.resume import AutoResume
-from nemo_ckpt.rng import RNGStateCallback
 
 
-def pretrain(model: pl.LightningModule, data: pl.LightningDataModule, trainer: pl.Trainer,
-             log: NeMoLogger | None = None, resume: AutoResume | None = None,
-             optim: OptimizerConfig | None = None, seed: int = 1234) -> Path:
+def pretrain(
+    model: pl.LightningModule,
+    data: pl.LightningDataModule,
+    trainer: pl.Trainer,
+    log: NeMoLogger | None = None,
+    resume: AutoResume | None = None,
+    optim: OptimizerConfig | None = None,
+    seed: int = 1234,
+) -> Path:
     """Train `model` on `data`, resuming as `resume` says; return the checkpoint directory.
 
     Every rank seeds its random generators with `seed`, so ranks build identical models and runs repeat; a
@@ -30,6 +36,6 @@ def pretrain(model: pl.LightningModule, data: pl.LightningDataModule, trainer: p
     ckpt_path = resume.find_checkpoint(log.checkpoint_dir)
     model = resume.restore_model(ckpt_path, model)
     if optim is not None:
-        io.set_init_arg(model, "optim", optim)
+        context.set_init_arg(model, "optim", optim)
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     return log.checkpoint_dir

@@ -33,8 +33,13 @@ class OptimizerConfig:
 
     def build_optimizer(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
         if self.optimizer == "adam":
-            return torch.optim.AdamW(params, lr=self.lr, betas=(self.adam_beta1, self.adam_beta2),
-                                     eps=self.adam_eps, weight_decay=self.weight_decay)
+            return torch.optim.AdamW(
+                params,
+                lr=self.lr,
+                betas=(self.adam_beta1, self.adam_beta2),
+                eps=self.adam_eps,
+                weight_decay=self.weight_decay,
+            )
         return torch.optim.SGD(params, lr=self.lr, momentum=self.sgd_momentum, weight_decay=self.weight_decay)
 
     def lr_factor(self, step: int, decay_steps: int) -> float:
@@ -60,6 +65,7 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) ->
     (`foreach=None`) falls back to one norm and one multiply per parameter; DTensor sums the partial norms of
     the shards with one all-reduce.
     """
-    total = torch.nn.utils.clip_grad_norm_([param for param in parameters if param.grad is not None], max_norm,
-                                           foreach=True)
+    total = torch.nn.utils.clip_grad_norm_(
+        [param for param in parameters if param.grad is not None], max_norm, foreach=True
+    )
     return total.full_tensor() if isinstance(total, DTensor) else total

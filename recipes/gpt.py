@@ -1,37 +1,44 @@
 """GPT pretraining recipes: a `run.Partial` of `nemo_ckpt.api.pretrain`, editable before it runs.
 
-    recipe = pretrain_recipe(name="demo", num_gpus_per_node=2)
-    recipe.trainer.max_steps = 20
-    recipe.trainer.strategy.save_ckpt_format = "torch_dist"
-    recipe.trainer.strategy.ddp.data_parallel_sharding_strategy = "optim_grads_params"
+recipe = pretrain_recipe(name="demo", num_gpus_per_node=2)
+recipe.trainer.max_steps = 20
+recipe.trainer.strategy.save_ckpt_format = "torch_dist"
+recipe.trainer.strategy.ddp.data_parallel_sharding_strategy = "optim_grads_params"
 """
-
 
 import lightning.pytorch as pl
 import nemo_run as run
 
 from nemo_ckpt.api import pretrain
+from nemo_ckpt.checkpoint import AutoResume, ModelCheckpoint, PreemptionCallback
 from nemo_ckpt.data import MockDataModule
-from nemo_ckpt.ddp_config import DistributedDataParallelConfig
 from nemo_ckpt.logger import NeMoLogger
-from nemo_ckpt.model_checkpoint import ModelCheckpoint
 from nemo_ckpt.models import GPTModel, gpt_config
 from nemo_ckpt.optim import OptimizerConfig
-from nemo_ckpt.preemption import PreemptionCallback
-from nemo_ckpt.resume import AutoResume
+from nemo_ckpt.parallel import DistributedDataParallelConfig
 from nemo_ckpt.strategy import MegatronStrategy
 
 
 def ddp(data_parallel_sharding_strategy: str = "no_shard") -> run.Config[DistributedDataParallelConfig]:
     """NeMo's recipe defaults: NaN checks, fp32 gradient reduction, overlapped communication."""
-    return run.Config(DistributedDataParallelConfig, data_parallel_sharding_strategy=data_parallel_sharding_strategy,
-                      check_for_nan_in_grad=True, grad_reduce_in_fp32=True, overlap_grad_reduce=True,
-                      overlap_param_gather=data_parallel_sharding_strategy != "no_shard", average_in_collective=True)
+    return run.Config(
+        DistributedDataParallelConfig,
+        data_parallel_sharding_strategy=data_parallel_sharding_strategy,
+        check_for_nan_in_grad=True,
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=True,
+        overlap_param_gather=data_parallel_sharding_strategy != "no_shard",
+        average_in_collective=True,
+    )
 
 
-def trainer(num_nodes: int = 1, num_gpus_per_node: int = 2, max_steps: int = 20,
-            val_check_interval: int = 10, ckpt_every_n_steps: int = 10,
-            data_parallel_sharding_strategy: str = "no_shard") -> run.Config[pl.Trainer]:
+def trainer(
+    num_nodes: int = 1,
+    num_gpus_per_node: int = 2,
+    max_steps: int = 20,
+    val_check_interval: int = 10,
+    data_parallel_sharding_strategy: str = "no_shard",
+) -> run.Config[pl.Trainer]:
     """A Lightning Trainer on `MegatronStrategy`; `num_gpus_per_node` is the processes per node on CPU.
 
     `PreemptionCallback` checkpoints, stops and requeues the Slurm job on SIGUSR1 (`--signal=USR1@N`).
@@ -57,22 +64,38 @@ def trainer(num_nodes: int = 1, num_gpus_per_node: int = 2, max_steps: int = 20,
     )
 
 
-def pretrain_recipe(name: str = "default", dir: str | None = None, num_nodes: int = 1, num_gpus_per_node: int = 2,
-                    model_size: str = "tiny", max_steps: int = 20, micro_batch_size: int = 4,
-                    global_batch_size: int | None = None) -> run.Partial:
+def pretrain_recipe(
+    name: str = "default",
+    dir: str | None = None,
+    num_nodes: int = 1,
+    num_gpus_per_node: int = 2,
+    model_size: str = "tiny",
+    max_steps: int = 20,
+    micro_batch_size: int = 4,
+    global_batch_size: int | None = None,
+) -> run.Partial:
     """Pretrain a GPT of `model_size` on mock data, checkpointing every 10 steps and resuming if it can."""
     model = gpt_config(model_size)
     data_parallel_size = num_nodes * num_gpus_per_node
     return run.Partial(
         pretrain,
         model=run.Config(GPTModel, config=run.Config(type(model), **vars(model))),
-        data=run.Config(MockDataModule, seq_length=model.seq_length, vocab_size=model.vocab_size,
-                        micro_batch_size=micro_batch_size,
-                        global_batch_size=global_batch_size or micro_batch_size * data_parallel_size),
+        data=run.Config(
+            MockDataModule,
+            seq_length=model.seq_length,
+            vocab_size=model.vocab_size,
+            micro_batch_size=micro_batch_size,
+            global_batch_size=global_batch_size or micro_batch_size * data_parallel_size,
+        ),
         trainer=trainer(num_nodes, num_gpus_per_node, max_steps),
-        log=run.Config(NeMoLogger, name=name, log_dir=dir or "nemo_experiments",
-                       ckpt=run.Config(ModelCheckpoint, monitor="reduced_train_loss", save_top_k=2,
-                                       save_last=True, every_n_train_steps=10)),
+        log=run.Config(
+            NeMoLogger,
+            name=name,
+            log_dir=dir or "nemo_experiments",
+            ckpt=run.Config(
+                ModelCheckpoint, monitor="reduced_train_loss", save_top_k=2, save_last=True, every_n_train_steps=10
+            ),
+        ),
         resume=run.Config(AutoResume, resume_if_exists=True, resume_ignore_no_checkpoint=True),
         optim=run.Config(OptimizerConfig, lr=3e-3, min_lr=3e-4, lr_warmup_steps=2),
     )
@@ -91,11 +114,20 @@ def small(name: str = "small", dir: str | None = None, num_nodes: int = 1, num_g
 
 
 @run.cli.factory(target=pretrain, name="llama3_8b")
-def llama3_8b(name: str = "llama3_8b", dir: str | None = None, num_nodes: int = 1,
-              num_gpus_per_node: int = 8) -> run.Partial:
+def llama3_8b(
+    name: str = "llama3_8b", dir: str | None = None, num_nodes: int = 1, num_gpus_per_node: int = 8
+) -> run.Partial:
     """Llama 3 8B shapes (needs GPUs): FSDP2 with full sharding, built on `meta`, bf16 mixed precision."""
-    recipe = pretrain_recipe(name, dir, num_nodes, num_gpus_per_node, model_size="llama3_8b", max_steps=1000,
-                             micro_batch_size=1, global_batch_size=512)
+    recipe = pretrain_recipe(
+        name,
+        dir,
+        num_nodes,
+        num_gpus_per_node,
+        model_size="llama3_8b",
+        max_steps=1000,
+        micro_batch_size=1,
+        global_batch_size=512,
+    )
     recipe.trainer.strategy.ddp = ddp("optim_grads_params")
     recipe.trainer.strategy.init_model_with_meta_device = True
     recipe.trainer.precision = "bf16-mixed"

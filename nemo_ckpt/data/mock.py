@@ -1,6 +1,6 @@
 """`MockDataModule`: synthetic token sequences, like NeMo's `llm.MockDataModule`, resumable by step."""
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import lightning.pytorch as pl
 import torch
@@ -33,8 +33,14 @@ class ArithmeticSequences(Dataset):
 class PretrainingSampler(Sampler[list[int]]):
     """Megatron's pretraining sampler: this rank's micro-batches, starting after `consumed_samples`."""
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int) -> None:
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+    ) -> None:
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
@@ -69,9 +75,17 @@ def data_parallel_rank_and_size(trainer: pl.Trainer) -> tuple[int, int]:
 class MockDataModule(pl.LightningDataModule):
     """Synthetic pretraining data. A resumed run continues at sample `global_step * global_batch_size`."""
 
-    def __init__(self, seq_length: int = 32, vocab_size: int = 256, micro_batch_size: int = 4,
-                 global_batch_size: int = 8, num_train_samples: int | None = None,
-                 num_val_samples: int = 64, seed: int = 1234, num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        seq_length: int = 32,
+        vocab_size: int = 256,
+        micro_batch_size: int = 4,
+        global_batch_size: int = 8,
+        num_train_samples: int | None = None,
+        num_val_samples: int = 64,
+        seed: int = 1234,
+        num_workers: int = 0,
+    ) -> None:
         super().__init__()
         self.seq_length = seq_length
         self.vocab_size = vocab_size
@@ -96,8 +110,9 @@ class MockDataModule(pl.LightningDataModule):
         self.val_set = ArithmeticSequences(self.num_val_samples, self.seq_length, self.vocab_size, self.seed + 1)
 
     def _loader(self, dataset: Dataset, consumed_samples: int) -> DataLoader:
-        sampler = PretrainingSampler(len(dataset), consumed_samples, self.micro_batch_size,
-                                     *data_parallel_rank_and_size(self.trainer))
+        sampler = PretrainingSampler(
+            len(dataset), consumed_samples, self.micro_batch_size, *data_parallel_rank_and_size(self.trainer)
+        )
         return DataLoader(dataset, batch_sampler=sampler, num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:

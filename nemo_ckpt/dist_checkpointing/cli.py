@@ -8,7 +8,7 @@ import json
 import os
 import sys
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
@@ -58,7 +58,8 @@ def describe(checkpoint_dir: str, allow_unsafe_pickle: bool = False) -> dict[str
 
 def _print_description(info: dict[str, Any]) -> None:
     b = info["backend"]
-    print(f"backend: {b['sharded_backend']} v{b['sharded_backend_version']} (common: {b['common_backend']} v{b['common_backend_version']})")
+    sharded = f"{b['sharded_backend']} v{b['sharded_backend_version']}"
+    print(f"backend: {sharded} (common: {b['common_backend']} v{b['common_backend_version']})")
     print(f"files: {len(info['files'])} .distcp")
     width = max([len(k) for k in info["tensors"]] + [3])
     print(f"{'key':<{width}}  {'shape':<20} {'dtype':<10} {'bytes':>12} chunks")
@@ -70,7 +71,7 @@ def _print_description(info: dict[str, Any]) -> None:
     print(f"common keys: {info['common_keys']}")
 
 
-def consolidate(checkpoint_dir: str, out_path: str, fmt: Optional[str] = None) -> dict[str, torch.Tensor]:
+def consolidate(checkpoint_dir: str, out_path: str, fmt: str | None = None) -> dict[str, torch.Tensor]:
     """Write every tensor, whole, to one file: torch (``torch.save`` of ``{key: tensor}``)
     or safetensors (chosen by ``fmt`` or an ``.safetensors`` suffix)."""
     tensors = load_plain_tensors(checkpoint_dir)
@@ -78,13 +79,17 @@ def consolidate(checkpoint_dir: str, out_path: str, fmt: Optional[str] = None) -
     if fmt == "safetensors":
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in tensors.items()}, out_path, metadata={"source": os.path.abspath(checkpoint_dir)})
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()},
+            out_path,
+            metadata={"source": os.path.abspath(checkpoint_dir)},
+        )
     else:
         torch.save(tensors, out_path)
     return tensors
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nemo_ckpt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p_inspect = sub.add_parser("inspect", help="list keys, shapes, dtypes, bytes and backend")

@@ -1,6 +1,6 @@
 """Convert a legacy zarr checkpoint to torch_dist (one process; every tensor is loaded whole).
 
-    python -m nemo_ckpt.dist_checkpointing.converter ZARR_CHECKPOINT_DIR TORCH_DIST_CHECKPOINT_DIR
+python -m nemo_ckpt.dist_checkpointing.converter ZARR_CHECKPOINT_DIR TORCH_DIST_CHECKPOINT_DIR
 """
 
 from __future__ import annotations

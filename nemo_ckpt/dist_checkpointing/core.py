@@ -7,7 +7,6 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
 
 CONFIG_FNAME = "metadata.json"
 
@@ -26,7 +25,7 @@ class CheckpointingConfig:
     common_backend_version: int = 1
 
 
-def check_is_distributed_checkpoint(checkpoint_dir: Union[str, Path]) -> bool:
+def check_is_distributed_checkpoint(checkpoint_dir: str | Path) -> bool:
     """True if ``checkpoint_dir`` holds a valid ``metadata.json``."""
     try:
         return maybe_load_config(checkpoint_dir) is not None
@@ -34,7 +33,7 @@ def check_is_distributed_checkpoint(checkpoint_dir: Union[str, Path]) -> bool:
         return False
 
 
-def maybe_load_config(checkpoint_dir: Union[str, Path]) -> Optional[CheckpointingConfig]:
+def maybe_load_config(checkpoint_dir: str | Path) -> CheckpointingConfig | None:
     """The checkpoint config, or None when ``checkpoint_dir`` has no ``metadata.json``.
 
     Raises CheckpointingException when the file exists but is not a valid config.
@@ -51,7 +50,7 @@ def maybe_load_config(checkpoint_dir: Union[str, Path]) -> Optional[Checkpointin
         raise CheckpointingException(f"{config_path} is not a valid checkpoint config: {e}") from e
 
 
-def save_config(config: CheckpointingConfig, checkpoint_dir: Union[str, Path]) -> None:
+def save_config(config: CheckpointingConfig, checkpoint_dir: str | Path) -> None:
     """Write ``metadata.json`` (atomically: a crash leaves either no file or a complete one)."""
     config_path = os.path.join(checkpoint_dir, CONFIG_FNAME)
     tmp_path = config_path + ".tmp"

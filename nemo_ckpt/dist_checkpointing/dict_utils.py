@@ -5,11 +5,12 @@ Everything that is not a dict or a list is a leaf (tuples included).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Union
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
-Nested = Union[dict, list]
+Nested = dict | list
 
 
 def nested_values(x: Nested) -> Iterator[Any]:
@@ -88,22 +89,35 @@ def extract_matching_values(
     return matching, rest
 
 
-def merge(x1: Nested, x2: Nested, key: tuple = ()) -> Nested:
-    """Merge ``x2`` into ``x1`` recursively (in place). Lists merge element-wise;
-    a dict with int keys merges into a list at those positions."""
+def merge(x1: Nested, x2: Nested, key: tuple = (), merge_leaf: Callable[[Any, Any], Any] | None = None) -> Nested:
+    """Merge ``x2`` into ``x1`` recursively (in place). Lists merge element-wise; a dict with
+    int keys merges into a list at those positions.
+
+    Without ``merge_leaf``, keys of ``x2`` missing from ``x1`` are added and two values that are
+    not containers clash. With it, every ``x2`` value that is not a container replaces the value
+    at its place in ``x1`` by ``merge_leaf(x1_value, x2_value)``, and ``x2`` may only name
+    places that ``x1`` has.
+    """
+    if merge_leaf is not None and not isinstance(x2, (dict, list)):
+        return merge_leaf(x1, x2)
     if isinstance(x1, dict) and isinstance(x2, dict):
         for k, v2 in x2.items():
-            x1[k] = merge(x1[k], v2, key + (k,)) if k in x1 else v2
+            if k in x1:
+                x1[k] = merge(x1[k], v2, key + (k,), merge_leaf)
+            elif merge_leaf is None:
+                x1[k] = v2
+            else:
+                raise ValueError(f"Key {k!r} is missing from the state dict merged into at {key}")
     elif isinstance(x1, list) and isinstance(x2, list):
         if len(x1) != len(x2):
             raise ValueError(f"Cannot merge lists of lengths {len(x1)} and {len(x2)} at {key}")
         for i, v2 in enumerate(x2):
-            x1[i] = merge(x1[i], v2, key + (i,))
+            x1[i] = merge(x1[i], v2, key + (i,), merge_leaf)
     elif isinstance(x1, list) and isinstance(x2, dict):
         for k, v2 in x2.items():
             if not isinstance(k, int) or k >= len(x1):
                 raise ValueError(f"Invalid list index {k!r} for a list of length {len(x1)} at {key}")
-            x1[k] = merge(x1[k], v2, key + (k,))
+            x1[k] = merge(x1[k], v2, key + (k,), merge_leaf)
     else:
         raise ValueError(f"Duplicate non-container values at {key}: {type(x1)} and {type(x2)}")
     return x1

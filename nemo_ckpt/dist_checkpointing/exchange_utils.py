@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Hashable, Optional
+from collections.abc import Hashable
 
 import torch
 import torch.distributed as dist
@@ -13,7 +13,7 @@ from .mapping import ShardedBase, ShardedTensor
 ShardId = tuple
 
 
-def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """Where tensors must live for collectives on ``group``: CPU for gloo, else the current accelerator."""
     if dist.get_backend(group) == "gloo":
         return torch.device("cpu")
@@ -21,7 +21,7 @@ def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
-def group_ranks(group: Optional[dist.ProcessGroup]) -> list[int]:
+def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
     """Global ranks of ``group`` (default: the world), in group-rank order."""
     return dist.get_process_group_ranks(group or dist.group.WORLD)
 
@@ -58,8 +58,9 @@ def distribute_shards(holders: dict[Hashable, list[int]], sizes: dict[Hashable, 
     return assignment
 
 
-def broadcast_shards(tensors: dict[ShardId, torch.Tensor], owners: dict[ShardId, int],
-                     group: Optional[dist.ProcessGroup] = None) -> None:
+def broadcast_shards(
+    tensors: dict[ShardId, torch.Tensor], owners: dict[ShardId, int], group: dist.ProcessGroup | None = None
+) -> None:
     """Fill ``tensors[sid]`` on every rank from its owner's copy, for every exchanged ``sid``.
 
     ``tensors`` holds the destination (or, on the owner, the loaded data) for each shard id in
@@ -74,4 +75,3 @@ def broadcast_shards(tensors: dict[ShardId, torch.Tensor], owners: dict[ShardId,
         dist.broadcast(staged, src=owners[sid], group=group)
         if staged is not tensor and owners[sid] != my_rank:
             tensor.copy_(staged)
-

@@ -7,21 +7,23 @@ tensor as one shard of a larger (global) tensor.
 from __future__ import annotations
 
 import logging
+import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 
 from .core import CheckpointingException
-from .dict_utils import dict_list_map_inplace
+from .dict_utils import dict_list_map_inplace, merge
 
 logger = logging.getLogger(__name__)
 
 StateDict = dict[str, Any]
 CommonStateDict = dict[str, Any]
 ShardedStateDict = dict[str, Any]
-ReplicaId = Union[int, tuple[int, ...]]
+ReplicaId = int | tuple[int, ...]
 
 
 class ShardedBase(ABC):
@@ -36,7 +38,7 @@ class ShardedBase(ABC):
         """Raise CheckpointingException if the metadata attributes are inconsistent."""
 
     @abstractmethod
-    def without_data(self) -> "ShardedBase":
+    def without_data(self) -> ShardedBase:
         """A copy with ``data=None`` (cheap to exchange between ranks)."""
 
 
@@ -63,16 +65,16 @@ class ShardedTensor(ShardedBase):
     """
 
     key: str
-    data: Optional[torch.Tensor] = field(repr=False)
+    data: torch.Tensor | None = field(repr=False)
     dtype: torch.dtype
     local_shape: tuple[int, ...]
     global_shape: tuple[int, ...]
     global_offset: tuple[int, ...]
-    axis_fragmentations: Optional[tuple[int, ...]]
+    axis_fragmentations: tuple[int, ...] | None
     replica_id: ReplicaId = 0
     prepend_axis_num: int = 0
     allow_shape_mismatch: bool = False
-    flattened_range: Optional[slice] = None
+    flattened_range: slice | None = None
 
     def __post_init__(self) -> None:
         self.local_shape = tuple(self.local_shape)
@@ -106,7 +108,7 @@ class ShardedTensor(ShardedBase):
             rng = self.flattened_range
             if rng.step not in (None, 1) or rng.start is None or rng.stop is None:
                 raise CheckpointingException(f"`flattened_range` must be a contiguous slice for {self}")
-            if not 0 <= rng.start <= rng.stop <= _numel(self.local_shape):
+            if not 0 <= rng.start <= rng.stop <= math.prod(self.local_shape):
                 raise CheckpointingException(
                     f"`flattened_range` {rng} is outside the local shape {self.local_shape} for {self}"
                 )
@@ -120,7 +122,7 @@ class ShardedTensor(ShardedBase):
         """True if the shards form a regular grid (``axis_fragmentations`` is set)."""
         return self.axis_fragmentations is not None
 
-    def global_slice(self) -> tuple[Union[int, slice], ...]:
+    def global_slice(self) -> tuple[int | slice, ...]:
         """Index of the (non-flat) local shard in the global tensor."""
         prepended = self.global_offset[: self.prepend_axis_num]
         rest = zip(self.global_offset[self.prepend_axis_num :], self.local_shape)
@@ -145,7 +147,7 @@ class ShardedTensor(ShardedBase):
             chunks.append(axis_sh // axis_fragm)
         return tuple(chunks)
 
-    def without_data(self) -> "ShardedTensor":
+    def without_data(self) -> ShardedTensor:
         return replace(self, data=None)
 
     @classmethod
@@ -158,7 +160,7 @@ class ShardedTensor(ShardedBase):
         prepend_axis_num: int = 0,
         flattened_range: None = None,
         **init_kwargs: Any,
-    ) -> "ShardedTensor":
+    ) -> ShardedTensor:
         """Build a ShardedTensor from offsets given in ranks.
 
         Each ``(axis, axis_rank_offset, axis_fragm)`` says: split the global tensor into
@@ -202,7 +204,7 @@ class ShardedTensor(ShardedBase):
         *rank_offsets: tuple[int, int, int],
         flattened_range: slice,
         **kwargs: Any,
-    ) -> "ShardedTensor":
+    ) -> ShardedTensor:
         """Like :meth:`from_rank_offsets` for a 1-D ``data`` that is
         ``local.flatten()[flattened_range]`` of a local shard of ``non_flat_local_shape``."""
         if flattened_range is None:
@@ -214,7 +216,7 @@ class ShardedTensor(ShardedBase):
         flat = replace(sh_ten, data=data, flattened_range=flattened_range)
         return flat
 
-    def init_data(self, device: Union[str, torch.device], init_fn: Callable = torch.empty) -> None:
+    def init_data(self, device: str | torch.device, init_fn: Callable = torch.empty) -> None:
         """Allocate ``data`` (only if it is None)."""
         if self.data is not None:
             return
@@ -223,7 +225,7 @@ class ShardedTensor(ShardedBase):
             shape = (self.flattened_range.stop - self.flattened_range.start,)
         self.data = init_fn(shape, dtype=self.dtype, device=device)
 
-    def narrow(self, dim: int, start: int, length: int) -> list["ShardedTensor"]:
+    def narrow(self, dim: int, start: int, length: int) -> list[ShardedTensor]:
         """``torch.narrow`` applied to every rank's shard (non-flat, regular grid only)."""
         if self.flattened_range is not None:
             raise CheckpointingException(f"narrow is not supported for flat {self}")
@@ -250,11 +252,34 @@ class ShardedTensor(ShardedBase):
         return f"{self.__class__.__name__}(key='{self.key}')"
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Split the flat range [start, stop) of a row-major ``shape`` into (offset, size) boxes.
+
+    The boxes come in flat order and each is contiguous in flat order, so box ``i`` is
+    the next ``prod(size_i)`` elements of the flat range.
+    """
+    if start >= stop:
+        return []
+    if len(shape) == 1:
+        return [((start,), (stop - start,))]
+    inner = math.prod(shape[1:])
+    first, first_rem = divmod(start, inner)
+    last, last_rem = divmod(stop, inner)
+
+    def in_row(row: int, lo: int, hi: int) -> list:
+        return [((row,) + o, (1,) + s) for o, s in flat_range_boxes(shape[1:], lo, hi)]
+
+    if first == last:
+        return in_row(first, first_rem, last_rem)
+    boxes = []
+    if first_rem:
+        boxes += in_row(first, first_rem, inner)
+        first += 1
+    if last > first:
+        boxes.append(((first,) + (0,) * (len(shape) - 1), (last - first,) + tuple(shape[1:])))
+    if last_rem:
+        boxes += in_row(last, 0, last_rem)
+    return boxes
 
 
 def is_main_replica(replica_id: ReplicaId) -> bool:
@@ -302,7 +327,7 @@ class ShardedObject(ShardedBase):
         if len(self.global_shape) != len(self.global_offset):
             raise CheckpointingException(f"Global offset and global shape have different ndims for {self}")
 
-    def without_data(self) -> "ShardedObject":
+    def without_data(self) -> ShardedObject:
         return replace(self, data=None)
 
     @property
@@ -316,7 +341,7 @@ class ShardedObject(ShardedBase):
         return f"{self.__class__.__name__}(key='{self.key}')"
 
     @classmethod
-    def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> "ShardedObject":
+    def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> ShardedObject:
         """Parse ``<key>/shard_<offsets>_<shape>`` into a ShardedObject with ``data=None``."""
         key, _, shard_key = unique_key.rpartition("/")
         shard_str, offset_str, shape_str = shard_key.split("_")
@@ -329,7 +354,7 @@ class ShardedObject(ShardedBase):
         return cls(key, None, shape, offset, replica_id)
 
 
-FactoryBuildFn = Callable[[str, torch.Tensor, ReplicaId, Optional[slice]], ShardedStateDict]
+FactoryBuildFn = Callable[[str, torch.Tensor, ReplicaId, slice | None], ShardedStateDict]
 FactoryMergeFn = Callable[[StateDict], torch.Tensor]
 
 
@@ -348,7 +373,7 @@ class ShardedTensorFactory(ShardedBase):
     build_fn: FactoryBuildFn
     merge_fn: FactoryMergeFn
     replica_id: ReplicaId = 0
-    flattened_range: Optional[slice] = None
+    flattened_range: slice | None = None
 
     def build(self) -> ShardedStateDict:
         """Run ``build_fn`` on this factory's attributes."""
@@ -357,7 +382,7 @@ class ShardedTensorFactory(ShardedBase):
     def validate_metadata_integrity(self) -> None:
         """Nothing to check before the factory is built."""
 
-    def without_data(self) -> "ShardedTensorFactory":
+    def without_data(self) -> ShardedTensorFactory:
         return replace(self, data=None)
 
 
@@ -373,23 +398,4 @@ def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
 def apply_factory_merges(x1: StateDict, x2: ShardedStateDict, key: tuple = ()) -> StateDict:
     """Undo factories: wherever ``x2`` holds a ShardedTensorFactory, replace the loaded
     sub state dict at the same place in ``x1`` with ``factory.merge_fn(sub)``. In place."""
-    if isinstance(x2, ShardedTensorFactory):
-        return x2.merge_fn(x1)
-    if isinstance(x1, dict) and isinstance(x2, dict):
-        for k, v2 in x2.items():
-            if k not in x1:
-                raise ValueError(f"Key {k!r} of a factory is missing from the loaded state dict at {key}")
-            x1[k] = apply_factory_merges(x1[k], v2, key + (k,))
-    elif isinstance(x1, list) and isinstance(x2, list):
-        if len(x1) != len(x2):
-            raise ValueError(f"Cannot merge lists of lengths {len(x1)} and {len(x2)} at {key}")
-        for i, v2 in enumerate(x2):
-            x1[i] = apply_factory_merges(x1[i], v2, key + (i,))
-    elif isinstance(x1, list) and isinstance(x2, dict):
-        for k, v2 in x2.items():
-            if not isinstance(k, int) or k >= len(x1):
-                raise ValueError(f"Invalid list index {k!r} for a list of length {len(x1)} at {key}")
-            x1[k] = apply_factory_merges(x1[k], v2, key + (k,))
-    else:
-        raise ValueError(f"Duplicate non-container values at {key}: {type(x1)} and {type(x2)}")
-    return x1
+    return merge(x1, x2, key, merge_leaf=lambda loaded, factory: factory.merge_fn(loaded))

@@ -9,9 +9,9 @@ turn ``optimizer.state_dict()`` into a sharded state dict.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from copy import deepcopy
 from dataclasses import replace
-from typing import Iterable, Union
 
 import torch
 
@@ -38,7 +38,7 @@ def get_optim_param_to_id_map(optim_params_iter: Iterable[torch.nn.Parameter]) -
 
 def get_param_id_to_sharded_param_map(
     model_sharded_state_dict: ShardedStateDict, optim_params_iter: Iterable[torch.nn.Parameter]
-) -> dict[int, Union[ShardedTensor, ShardedTensorFactory]]:
+) -> dict[int, ShardedTensor | ShardedTensorFactory]:
     """Map optimizer state ids to the model ShardedTensors (or factories) wrapping those params.
 
     ``optim_params_iter`` must iterate the optimizer's params in its order, e.g.
@@ -46,7 +46,7 @@ def get_param_id_to_sharded_param_map(
     """
     model_sharded_state_dict, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
     param_to_id = get_optim_param_to_id_map(optim_params_iter)
-    id_to_sharded_param: dict[int, Union[ShardedTensor, ShardedTensorFactory]] = {}
+    id_to_sharded_param: dict[int, ShardedTensor | ShardedTensorFactory] = {}
     for ten in nested_values(model_sharded_state_dict):
         if id(ten.data) in param_to_id:
             id_to_sharded_param[param_to_id[id(ten.data)]] = ten
@@ -58,8 +58,8 @@ def get_param_id_to_sharded_param_map(
 
 
 def make_sharded_optimizer_tensor(
-    model_param: Union[ShardedTensor, ShardedTensorFactory], optim_param: torch.Tensor, prefix: str
-) -> Union[ShardedTensor, ShardedTensorFactory]:
+    model_param: ShardedTensor | ShardedTensorFactory, optim_param: torch.Tensor, prefix: str
+) -> ShardedTensor | ShardedTensorFactory:
     """An optimizer-state entity sharded exactly like ``model_param``, keyed ``<prefix>.<key>``.
 
     A 0-d state (Adam's ``step``) of a non-scalar param becomes a scalar ShardedTensor
@@ -78,19 +78,21 @@ def make_sharded_optimizer_tensor(
     if model_param.flattened_range is not None:
         expected = (model_param.flattened_range.stop - model_param.flattened_range.start,)
     if tuple(optim_param.shape) != expected:
-        raise ValueError(f"Optimizer state shape {tuple(optim_param.shape)} does not match model shape {expected} for {key}")
+        raise ValueError(
+            f"Optimizer state shape {tuple(optim_param.shape)} does not match model shape {expected} for {key}"
+        )
     sh_ten = replace(model_param, key=key, data=optim_param, dtype=optim_param.dtype)
     sh_ten.validate_metadata_integrity()
     return sh_ten
 
 
-def _is_main(replica_id: Union[int, tuple[int, ...]]) -> bool:
+def _is_main(replica_id: int | tuple[int, ...]) -> bool:
     return replica_id == 0 if isinstance(replica_id, int) else all(r == 0 for r in replica_id)
 
 
 def optim_state_to_sharding_state(
     optim_state_dict: StateDict,
-    id_to_sharded_param_map: dict[int, Union[ShardedTensor, ShardedTensorFactory]],
+    id_to_sharded_param_map: dict[int, ShardedTensor | ShardedTensorFactory],
     exclude_keys: tuple[str, ...] = (),
 ) -> None:
     """Turn ``optimizer.state_dict()`` into a sharded state dict, in place.

@@ -15,11 +15,13 @@ import pathlib
 import pickle
 import re
 import types
-from typing import IO, Any, Iterable, Union
+from collections.abc import Iterable
+from typing import IO, Any
 
 import numpy
 import torch
 
+from .._compat import numpy_array_reconstructor
 from .core import CheckpointingException
 
 
@@ -28,9 +30,8 @@ class UnsafeCheckpointError(CheckpointingException):
 
 
 def _numpy_globals() -> list[Any]:
-    from numpy._core.multiarray import _reconstruct
     dtype_classes = [getattr(numpy.dtypes, n) for n in dir(numpy.dtypes) if n.endswith("DType")]
-    return [_reconstruct, numpy.ndarray, numpy.dtype, *dtype_classes]
+    return [numpy_array_reconstructor(), numpy.ndarray, numpy.dtype, *dtype_classes]
 
 
 # Types that are safe to rebuild: plain data holders found in Megatron/NeMo common state.
@@ -59,7 +60,7 @@ def _refused_name(err: Exception) -> str:
     return next((g for g in match.groups() if g), "?") if match else "?"
 
 
-def safe_torch_load(f: Union[str, IO[bytes]], where: str, allow_unsafe_pickle: bool = False) -> Any:
+def safe_torch_load(f: str | IO[bytes], where: str, allow_unsafe_pickle: bool = False) -> Any:
     """``torch.load`` restricted to tensors, builtins and :data:`SAFE_GLOBALS`.
 
     ``where`` names the file and key for error messages.
@@ -87,19 +88,36 @@ class _LegacyMCorePlaceholder:
 
 _DCP_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "MetadataIndex",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
     "torch.distributed.checkpoint.planner": {
-        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData",
-        "LoadPlan", "ReadItem", "LoadItemType",
+        "SavePlan",
+        "WriteItem",
+        "WriteItemType",
+        "TensorWriteData",
+        "BytesIOWriteData",
+        "LoadPlan",
+        "ReadItem",
+        "LoadItemType",
     },
 }
 _PLAIN_CLASSES = {
-    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
-    ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
 }
 _LEGACY_MCORE = {"MCoreMetadata", "MCoreSavePlan"}
 
@@ -110,7 +128,9 @@ class DCPMetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _DCP_CLASSES.get(module, ()) or (module, name) in _PLAIN_CLASSES:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         if module.startswith("megatron.core.dist_checkpointing") and name in _LEGACY_MCORE:
             return _LegacyMCorePlaceholder

@@ -10,12 +10,11 @@ from __future__ import annotations
 import copy
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
-import torch
-
-from .core import CheckpointingConfig, CheckpointingException, save_config, CONFIG_FNAME
+from .core import CONFIG_FNAME, CheckpointingConfig, CheckpointingException, save_config
 from .dict_utils import extract_matching_values, merge
 from .mapping import (
     CommonStateDict,
@@ -32,11 +31,10 @@ from .strategies.base import (
     LoadShardedStrategy,
     SaveCommonStrategy,
     SaveShardedStrategy,
-    StrategyAction,
-    get_default_strategy,
 )
+from .strategies.defaults import get_default_save_common_strategy, get_default_save_sharded_strategy
 from .strategies.torch import COMMON_STATE_KEY
-from .utils import extract_sharded_base
+from .utils import barrier, extract_sharded_base, get_rank
 from .validation import (
     StrictHandling,
     determine_global_metadata,
@@ -48,21 +46,8 @@ from .validation import (
 
 logger = logging.getLogger(__name__)
 
-CkptShardedMetadata = dict[str, Union[ShardedTensor, ShardedObject]]
+CkptShardedMetadata = dict[str, ShardedTensor | ShardedObject]
 _CONTENT_METADATA_KEY = "content_metadata"
-
-
-def _dist_ready() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if _dist_ready() else 0
-
-
-def _barrier() -> None:
-    if _dist_ready():
-        torch.distributed.barrier()
 
 
 def _with_unsafe_pickle(strategy: Any, allow_unsafe_pickle: bool) -> Any:
@@ -75,13 +60,13 @@ def _with_unsafe_pickle(strategy: Any, allow_unsafe_pickle: bool) -> Any:
 
 def load(
     sharded_state_dict: ShardedStateDict,
-    checkpoint_dir: Union[str, Path],
-    sharded_strategy: Union[LoadShardedStrategy, tuple[str, int], None] = None,
-    common_strategy: Union[LoadCommonStrategy, tuple[str, int], None] = None,
+    checkpoint_dir: str | Path,
+    sharded_strategy: LoadShardedStrategy | tuple[str, int] | None = None,
+    common_strategy: LoadCommonStrategy | tuple[str, int] | None = None,
     validate_access_integrity: bool = True,
-    strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+    strict: str | StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
     allow_unsafe_pickle: bool = False,
-) -> Union[StateDict, tuple[StateDict, set[str], set[str]]]:
+) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """Load the parts of a checkpoint described by ``sharded_state_dict``.
 
     Steps: load the common state (base of the result); apply factories; add unwrapped
@@ -102,7 +87,9 @@ def load(
         The state dict, or ``(state_dict, missing_keys, unexpected_keys)`` for
         ``return_unexpected``/``return_all``.
     """
-    sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy, common_strategy)
+    sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
+        checkpoint_dir, sharded_strategy, common_strategy
+    )
     sharded_strategy = _with_unsafe_pickle(sharded_strategy, allow_unsafe_pickle)
     common_strategy = _with_unsafe_pickle(common_strategy, allow_unsafe_pickle)
     checkpoint_dir = Path(checkpoint_dir)
@@ -126,7 +113,9 @@ def load(
 
     if not sharded_strategy.can_handle_sharded_objects:
         validate_sharded_objects_handling(sharded_strategy, common_strategy)
-        sharded_objects, sharded_state_dict = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedObject))
+        sharded_objects, sharded_state_dict = extract_matching_values(
+            sharded_state_dict, lambda v: isinstance(v, ShardedObject)
+        )
         merge(common_state_dict, common_strategy.load_sharded_objects(sharded_objects, checkpoint_dir))
 
     loaded_state_dict = sharded_strategy.load(sharded_state_dict, checkpoint_dir)
@@ -138,14 +127,19 @@ def load(
     return common_state_dict
 
 
-def load_common_state_dict(checkpoint_dir: Union[str, Path], allow_unsafe_pickle: bool = False) -> StateDict:
+def get_default_load_sharded_strategy(checkpoint_dir: str | Path) -> LoadShardedStrategy:
+    """The load strategy of the format ``checkpoint_dir`` was saved in (from its metadata.json)."""
+    return verify_checkpoint_and_load_strategy(checkpoint_dir)[0]
+
+
+def load_common_state_dict(checkpoint_dir: str | Path, allow_unsafe_pickle: bool = False) -> StateDict:
     """Only the common (non-sharded) state dict of a checkpoint: no tensor data is read."""
     _, common_strategy = verify_checkpoint_and_load_strategy(checkpoint_dir)
     return _with_unsafe_pickle(common_strategy, allow_unsafe_pickle).load_common(Path(checkpoint_dir))
 
 
 def load_tensors_metadata(
-    checkpoint_dir: Union[str, Path], sharded_strategy: Union[LoadShardedStrategy, None] = None
+    checkpoint_dir: str | Path, sharded_strategy: LoadShardedStrategy | None = None
 ) -> CkptShardedMetadata:
     """``{key: ShardedTensor without data}`` for every stored tensor, each as one shard of
     its full global shape (useful to learn shapes and dtypes, or to load whole tensors)."""
@@ -154,12 +148,14 @@ def load_tensors_metadata(
 
 
 def load_sharded_metadata(
-    checkpoint_dir: Union[str, Path],
-    sharded_strategy: Union[LoadShardedStrategy, None] = None,
-    common_strategy: Union[LoadCommonStrategy, None] = None,
+    checkpoint_dir: str | Path,
+    sharded_strategy: LoadShardedStrategy | None = None,
+    common_strategy: LoadCommonStrategy | None = None,
 ) -> CkptShardedMetadata:
     """Like :func:`load_tensors_metadata` plus ShardedObjects (keyed by unique key)."""
-    sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy, common_strategy)
+    sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
+        checkpoint_dir, sharded_strategy, common_strategy
+    )
     sharded_metadata = sharded_strategy.load_sharded_metadata(Path(checkpoint_dir))
     if not sharded_strategy.can_handle_sharded_objects:
         validate_sharded_objects_handling(sharded_strategy, common_strategy)
@@ -167,7 +163,7 @@ def load_sharded_metadata(
     return sharded_metadata
 
 
-def load_plain_tensors(checkpoint_dir: Union[str, Path]) -> StateDict:
+def load_plain_tensors(checkpoint_dir: str | Path) -> StateDict:
     """Every stored tensor, whole, keyed by its checkpoint key (common state not included)."""
     sharded_state_dict = load_tensors_metadata(checkpoint_dir)
     # every rank reads whole tensors, so shards overlap on purpose
@@ -176,8 +172,8 @@ def load_plain_tensors(checkpoint_dir: Union[str, Path]) -> StateDict:
 
 
 def load_content_metadata(
-    checkpoint_dir: Union[str, Path, None] = None, *, preloaded_state_dict: Optional[StateDict] = None
-) -> Optional[dict]:
+    checkpoint_dir: str | Path | None = None, *, preloaded_state_dict: StateDict | None = None
+) -> dict | None:
     """The ``content_metadata`` given to :func:`save`, or None if there is none."""
     if preloaded_state_dict is None:
         if checkpoint_dir is None:
@@ -188,14 +184,14 @@ def load_content_metadata(
 
 def save(
     sharded_state_dict: ShardedStateDict,
-    checkpoint_dir: Union[str, Path],
-    sharded_strategy: Union[SaveShardedStrategy, tuple[str, int], None] = None,
-    common_strategy: Union[SaveCommonStrategy, tuple[str, int], None] = None,
+    checkpoint_dir: str | Path,
+    sharded_strategy: SaveShardedStrategy | tuple[str, int] | None = None,
+    common_strategy: SaveCommonStrategy | tuple[str, int] | None = None,
     validate_access_integrity: bool = True,
-    preprocess_common_before_consistancy_check: Optional[Callable[[CommonStateDict], StateDict]] = None,
-    content_metadata: Optional[dict] = None,
+    preprocess_common_before_consistancy_check: Callable[[CommonStateDict], StateDict] | None = None,
+    content_metadata: dict | None = None,
     async_sharded_save: bool = False,
-) -> Optional[AsyncRequest]:
+) -> AsyncRequest | None:
     """Save a sharded state dict (collective: every rank calls it with its shards).
 
     Steps: apply factories; drop LocalNonpersistentObjects; validate the sharding across
@@ -222,13 +218,13 @@ def save(
     if not checkpoint_dir.is_dir():
         raise CheckpointingException(f"Checkpoint directory {checkpoint_dir} does not exist")
     if sharded_strategy is None:
-        sharded_strategy = ("torch_dist", 1)
-    if isinstance(sharded_strategy, tuple):
-        sharded_strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, *sharded_strategy)
+        sharded_strategy = get_default_save_sharded_strategy()
+    elif isinstance(sharded_strategy, tuple):
+        sharded_strategy = get_default_save_sharded_strategy(*sharded_strategy)
     if common_strategy is None:
-        common_strategy = ("torch", 1)
-    if isinstance(common_strategy, tuple):
-        common_strategy = get_default_strategy(StrategyAction.SAVE_COMMON, *common_strategy)
+        common_strategy = get_default_save_common_strategy()
+    elif isinstance(common_strategy, tuple):
+        common_strategy = get_default_save_common_strategy(*common_strategy)
 
     if content_metadata is not None:
         sharded_state_dict[_CONTENT_METADATA_KEY] = content_metadata
@@ -236,23 +232,31 @@ def save(
         sharded_state_dict, validate_access_integrity, preprocess_common_before_consistancy_check
     )
 
-    if _rank() == 0:
+    if get_rank() == 0:
         _remove_stale_config(checkpoint_dir)
-    _barrier()
+    barrier()
     common_strategy.save_common(common_state_dict, checkpoint_dir)
     if sharded_strategy.can_handle_sharded_objects:
-        sharded_state_dict[COMMON_STATE_KEY] = ShardedObject(COMMON_STATE_KEY, common_state_dict, (1,), (0,), replica_id=_rank())
+        sharded_state_dict[COMMON_STATE_KEY] = ShardedObject(
+            COMMON_STATE_KEY, common_state_dict, (1,), (0,), replica_id=get_rank()
+        )
     else:
         validate_sharded_objects_handling(sharded_strategy, common_strategy)
-        sharded_objects, sharded_state_dict = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedObject))
+        sharded_objects, sharded_state_dict = extract_matching_values(
+            sharded_state_dict, lambda v: isinstance(v, ShardedObject)
+        )
         common_strategy.save_sharded_objects(sharded_objects, checkpoint_dir)
-    config = CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version)
+    config = CheckpointingConfig(
+        sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
+    )
     if not async_sharded_save:
         sharded_strategy.save(sharded_state_dict, checkpoint_dir)
         _finalize_save(config, checkpoint_dir)
         return None
     if not hasattr(sharded_strategy, "async_save"):
-        raise CheckpointingException(f"async_sharded_save=True needs a strategy with `async_save`; {sharded_strategy} has none")
+        raise CheckpointingException(
+            f"async_sharded_save=True needs a strategy with `async_save`; {sharded_strategy} has none"
+        )
     async_request = sharded_strategy.async_save(sharded_state_dict, checkpoint_dir)
     async_request.add_finalize_fn(lambda: _finalize_save(config, checkpoint_dir))
     return async_request
@@ -260,10 +264,10 @@ def save(
 
 def _finalize_save(config: CheckpointingConfig, checkpoint_dir: Path) -> None:
     """Once every rank's data is written, rank 0 writes metadata.json, the completeness marker."""
-    _barrier()
-    if _rank() == 0:
+    barrier()
+    if get_rank() == 0:
         save_config(config, checkpoint_dir)
-    _barrier()
+    barrier()
 
 
 def _remove_stale_config(checkpoint_dir: Path) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from .dict_utils import dict_list_map_inplace
 from .mapping import (
@@ -19,7 +19,7 @@ from .validation import determine_global_metadata, validate_sharding_integrity
 def save_preprocess(
     sharded_state_dict: ShardedStateDict,
     validate_access_integrity: bool = True,
-    preprocess_common_before_consistancy_check: Optional[Callable[[CommonStateDict], StateDict]] = None,
+    preprocess_common_before_consistancy_check: Callable[[CommonStateDict], StateDict] | None = None,
 ) -> tuple[ShardedStateDict, StateDict]:
     """Apply factories, drop LocalNonpersistentObjects and split (sharded part, common part).
 
@@ -50,5 +50,3 @@ def load_preprocess(sharded_state_dict: ShardedStateDict) -> tuple[ShardedStateD
     nonpersistent, sharded_state_dict = extract_nonpersistent(sharded_state_dict)
     dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
     return sharded_state_dict, nonpersistent, factories
-
-

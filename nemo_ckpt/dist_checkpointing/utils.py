@@ -1,8 +1,10 @@
-"""Helpers to split sharded state dicts by entity type and to rename sharded keys."""
+"""Process helpers, splitting sharded state dicts by entity type and renaming sharded keys."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch.distributed as dist
 
 from .dict_utils import dict_list_map_inplace, extract_matching_values
 from .mapping import (
@@ -16,6 +18,27 @@ from .mapping import (
 )
 
 
+def dist_ready() -> bool:
+    """Whether torch.distributed runs (else: one process)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    """This process's global rank; 0 without torch.distributed."""
+    return dist.get_rank() if dist_ready() else 0
+
+
+def get_world_size() -> int:
+    """The number of processes; 1 without torch.distributed."""
+    return dist.get_world_size() if dist_ready() else 1
+
+
+def barrier() -> None:
+    """A barrier over all ranks; nothing without torch.distributed."""
+    if dist_ready():
+        dist.barrier()
+
+
 def extract_sharded_tensors(sharded_state_dict: ShardedStateDict) -> tuple[ShardedStateDict, StateDict]:
     """(ShardedTensors, everything else), keeping the hierarchy."""
     return extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedTensor))
@@ -26,7 +49,9 @@ def extract_sharded_tensors_and_factories(sharded_state_dict: ShardedStateDict) 
     return extract_matching_values(sharded_state_dict, lambda v: isinstance(v, (ShardedTensor, ShardedTensorFactory)))
 
 
-def extract_sharded_tensors_or_nonpersistent(sharded_state_dict: ShardedStateDict) -> tuple[ShardedStateDict, StateDict]:
+def extract_sharded_tensors_or_nonpersistent(
+    sharded_state_dict: ShardedStateDict,
+) -> tuple[ShardedStateDict, StateDict]:
     """(ShardedTensors, factories and LocalNonpersistentObjects, everything else)."""
     return extract_matching_values(
         sharded_state_dict,
@@ -65,7 +90,7 @@ def replace_prefix_for_sharding(sharded_state_dict: ShardedStateDict, old_prefix
         if isinstance(x, (ShardedTensor, ShardedTensorFactory, ShardedObject)):
             if not x.key.startswith(old_prefix):
                 raise ValueError(f"Expected {x.key} to begin with prefix {old_prefix}")
-            x.key = f"{new_prefix}{x.key[len(old_prefix):]}"
+            x.key = f"{new_prefix}{x.key[len(old_prefix) :]}"
         return x
 
     dict_list_map_inplace(replace_prefix, sharded_state_dict)
@@ -78,7 +103,7 @@ def apply_prefix_mapping(sharded_state_dict: ShardedStateDict, prefix_map: dict[
         if isinstance(x, (ShardedTensor, ShardedTensorFactory, ShardedObject)):
             for old_prefix, new_prefix in prefix_map.items():
                 if x.key.startswith(old_prefix):
-                    x.key = f"{new_prefix}{x.key[len(old_prefix):]}"
+                    x.key = f"{new_prefix}{x.key[len(old_prefix) :]}"
                     break
         return x
 

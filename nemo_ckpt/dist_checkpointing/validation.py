@@ -8,18 +8,28 @@ import os
 from collections import defaultdict
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
-import torch
+import torch.distributed as dist
 
-from .core import CheckpointingException, maybe_load_config
+from .core import CONFIG_FNAME, CheckpointingException, maybe_load_config
 from .dict_utils import diff, extract_matching_values, nested_values
-from .mapping import CommonStateDict, ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
-from .strategies.base import LoadCommonStrategy, LoadShardedStrategy, StrategyAction, get_default_strategy
+from .mapping import (
+    CommonStateDict,
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    flat_range_boxes,
+    is_main_replica,
+)
+from .strategies.base import LoadCommonStrategy, LoadShardedStrategy
+from .strategies.defaults import default_load_common_strategy, default_load_sharded_strategy
+from .utils import dist_ready
 
 logger = logging.getLogger(__name__)
 
-LocalMetadata = list[Union[ShardedTensor, ShardedObject]]
+LocalMetadata = list[ShardedTensor | ShardedObject]
 GlobalMetadata = list[LocalMetadata]
 
 
@@ -42,22 +52,27 @@ class StrictHandling(Enum):
     IGNORE_ALL = "ignore_all"
 
     @staticmethod
-    def requires_explicit_ckpt_mismatch_check(val: "StrictHandling") -> bool:
+    def requires_explicit_ckpt_mismatch_check(val: StrictHandling) -> bool:
         """Whether ``val`` compares the request with the checkpoint metadata."""
         return val != StrictHandling.ASSUME_OK_UNEXPECTED
 
     @staticmethod
-    def requires_global_app_metadata(val: "StrictHandling") -> bool:
+    def requires_global_app_metadata(val: StrictHandling) -> bool:
         """Whether ``val`` needs every rank's requested keys (to find missing keys)."""
-        return val in (StrictHandling.IGNORE_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL, StrictHandling.LOG_ALL)
+        return val in (
+            StrictHandling.IGNORE_ALL,
+            StrictHandling.RAISE_ALL,
+            StrictHandling.RETURN_ALL,
+            StrictHandling.LOG_ALL,
+        )
 
     @staticmethod
-    def requires_returning_mismatch_keys(val: "StrictHandling") -> bool:
+    def requires_returning_mismatch_keys(val: StrictHandling) -> bool:
         """Whether ``load`` returns ``(state_dict, missing_keys, unexpected_keys)``."""
         return val in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
 
 
-def parse_strict_flag(strict: Union[str, bool, StrictHandling]) -> StrictHandling:
+def parse_strict_flag(strict: str | bool | StrictHandling) -> StrictHandling:
     """StrictHandling from a value or its string; ``True``/``False`` mean ASSUME_OK_UNEXPECTED/LOG_UNEXPECTED."""
     if isinstance(strict, StrictHandling):
         return strict
@@ -70,23 +85,19 @@ def parse_strict_flag(strict: Union[str, bool, StrictHandling]) -> StrictHandlin
         raise ValueError(f"Invalid strict flag {strict!r}; expected one of {valid}") from e
 
 
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def determine_global_metadata(sharded_state_dict: ShardedStateDict) -> tuple[LocalMetadata, GlobalMetadata]:
     """This rank's ShardedBase objects without data, and the same for every rank (all-gather)."""
     local_metadata = [sh_base.without_data() for sh_base in nested_values(sharded_state_dict)]
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
+    if not dist_ready():
         return local_metadata, [local_metadata]
     global_metadata: GlobalMetadata = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(global_metadata, local_metadata)
     return local_metadata, global_metadata
 
 
-def validate_sharding_integrity(global_metadata: GlobalMetadata, common_state_dict: Optional[CommonStateDict] = None) -> None:
+def validate_sharding_integrity(
+    global_metadata: GlobalMetadata, common_state_dict: CommonStateDict | None = None
+) -> None:
     """Raise one CheckpointingException listing every sharding error.
 
     Main replicas of each ShardedTensor key must tile the global tensor exactly (no
@@ -115,15 +126,13 @@ def validate_sharding_integrity(global_metadata: GlobalMetadata, common_state_di
 
 
 def _boxes(sh_ten: ShardedTensor) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    from .strategies.torch import _flat_range_boxes
-
     p = sh_ten.prepend_axis_num
     if sh_ten.flattened_range is None:
         return [(sh_ten.global_offset, (1,) * p + sh_ten.local_shape)]
     rng = sh_ten.flattened_range
     return [
         (sh_ten.global_offset[:p] + tuple(g + o for g, o in zip(sh_ten.global_offset[p:], off)), (1,) * p + size)
-        for off, size in _flat_range_boxes(sh_ten.local_shape, rng.start, rng.stop)
+        for off, size in flat_range_boxes(sh_ten.local_shape, rng.start, rng.stop)
     ]
 
 
@@ -149,7 +158,10 @@ def _validate_sharding_for_key(key: str, shardings: list[tuple[int, ShardedTenso
     for rank, sh_ten in shardings:
         for off, size in _boxes(sh_ten):
             if any(o < 0 or o + s > g for o, s, g in zip(off, size, global_shape)):
-                errors.append(f"key '{key}': shard at offset {off} size {size} on rank {rank} is outside global shape {global_shape}")
+                errors.append(
+                    f"key '{key}': shard at offset {off} size {size} on rank {rank} is outside global shape "
+                    f"{global_shape}"
+                )
             elif is_main_replica(sh_ten.replica_id) and math.prod(size) > 0:
                 main.append((off, size, rank))
     if errors:
@@ -189,14 +201,18 @@ def _validate_objects_for_key(key: str, shardings: list[tuple[int, ShardedObject
                 f"{first.global_shape} on rank {first_rank}"
             )
         elif any(not 0 <= o < s for o, s in zip(sh_obj.global_offset, sh_obj.global_shape)):
-            errors.append(f"key '{key}': object offset {sh_obj.global_offset} on rank {rank} is outside {sh_obj.global_shape}")
+            errors.append(
+                f"key '{key}': object offset {sh_obj.global_offset} on rank {rank} is outside {sh_obj.global_shape}"
+            )
         elif is_main_replica(sh_obj.replica_id):
             mains[sh_obj.unique_key].append(rank)
     if errors:
         return errors
     for unique_key, ranks in mains.items():
         if len(ranks) > 1:
-            errors.append(f"key '{key}': object {unique_key} has main replicas on several ranks {ranks} (check replica_id)")
+            errors.append(
+                f"key '{key}': object {unique_key} has main replicas on several ranks {ranks} (check replica_id)"
+            )
     expected = math.prod(first.global_shape)
     if len(mains) != expected:
         errors.append(
@@ -208,8 +224,7 @@ def _validate_objects_for_key(key: str, shardings: list[tuple[int, ShardedObject
 
 def _validate_common_state_dict(common_state_dict: CommonStateDict) -> None:
     """Warn if this rank's common state differs from rank 0's (rank 0's is what is saved)."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
+    if not dist_ready():
         return
     objs = [common_state_dict if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(objs, src=0)
@@ -218,7 +233,11 @@ def _validate_common_state_dict(common_state_dict: CommonStateDict) -> None:
         if only_rank0 or only_here or mismatch:
             logger.warning(
                 "Rank %d common state dict differs from rank 0 (only rank 0 is saved). Keys only on rank 0: %s, "
-                "only on this rank: %s, mismatched: %s", dist.get_rank(), only_rank0, only_here, mismatch,
+                "only on this rank: %s, mismatched: %s",
+                dist.get_rank(),
+                only_rank0,
+                only_here,
+                mismatch,
             )
 
 
@@ -232,9 +251,9 @@ def validate_sharded_objects_handling(sharded_strategy: Any, common_strategy: An
 
 
 def verify_checkpoint_and_load_strategy(
-    checkpoint_dir: Union[str, Path],
-    sharded_strategy: Union[LoadShardedStrategy, tuple[str, int], None] = None,
-    common_strategy: Union[LoadCommonStrategy, tuple[str, int], None] = None,
+    checkpoint_dir: str | Path,
+    sharded_strategy: LoadShardedStrategy | tuple[str, int] | None = None,
+    common_strategy: LoadCommonStrategy | tuple[str, int] | None = None,
 ) -> tuple[LoadShardedStrategy, LoadCommonStrategy]:
     """Check that ``checkpoint_dir`` is a checkpoint and pick load strategies from its metadata.json."""
     if not os.path.isdir(checkpoint_dir):
@@ -242,16 +261,16 @@ def verify_checkpoint_and_load_strategy(
     config = maybe_load_config(checkpoint_dir)
     if config is None:
         raise CheckpointingException(
-            f"{checkpoint_dir} is not a distributed checkpoint: {os.path.join(checkpoint_dir, 'metadata.json')} is missing"
+            f"{checkpoint_dir} is not a distributed checkpoint: {os.path.join(checkpoint_dir, CONFIG_FNAME)} is missing"
         )
     if sharded_strategy is None:
-        sharded_strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version)
+        sharded_strategy = default_load_sharded_strategy(config.sharded_backend, config.sharded_backend_version)
     elif isinstance(sharded_strategy, tuple):
-        sharded_strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, *sharded_strategy)
+        sharded_strategy = default_load_sharded_strategy(*sharded_strategy)
     if common_strategy is None:
-        common_strategy = get_default_strategy(StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version)
+        common_strategy = default_load_common_strategy(config.common_backend, config.common_backend_version)
     elif isinstance(common_strategy, tuple):
-        common_strategy = get_default_strategy(StrategyAction.LOAD_COMMON, *common_strategy)
+        common_strategy = default_load_common_strategy(*common_strategy)
     sharded_strategy.check_backend_compatibility(config.sharded_backend)
     sharded_strategy.check_version_compatibility(config.sharded_backend_version)
     common_strategy.check_backend_compatibility(config.common_backend)
@@ -266,7 +285,9 @@ def adjust_non_strict_load(sharded_state_dict: ShardedStateDict, sharded_keys_to
 
 
 def _determine_missing_and_unexpected_keys(
-    ckpt_sharded_metadata: ShardedStateDict, local_metadata: LocalMetadata, global_metadata: Optional[GlobalMetadata] = None
+    ckpt_sharded_metadata: ShardedStateDict,
+    local_metadata: LocalMetadata,
+    global_metadata: GlobalMetadata | None = None,
 ) -> tuple[set[str], set[str]]:
     """Unexpected keys (this rank's requests absent from the checkpoint) and missing keys
     (checkpoint keys nobody requested; empty without ``global_metadata``)."""
@@ -280,15 +301,23 @@ def _determine_missing_and_unexpected_keys(
     return missing_keys, unexpected_keys
 
 
-def maybe_report_missing_and_unexpected_keys(missing_keys: set[str], unexpected_keys: set[str], raise_error: bool = True) -> None:
+def maybe_report_missing_and_unexpected_keys(
+    missing_keys: set[str], unexpected_keys: set[str], raise_error: bool = True
+) -> None:
     """Raise (or log a warning) if there are missing or unexpected keys."""
     if not missing_keys and not unexpected_keys:
         return
     msg = ""
     if missing_keys:
-        msg += f"Some keys found in the checkpoint are missing in the provided sharded state dict. Missing keys (for all ranks): {sorted(missing_keys)}. "
+        msg += (
+            "Some keys found in the checkpoint are missing in the provided sharded state dict. "
+            f"Missing keys (for all ranks): {sorted(missing_keys)}. "
+        )
     if unexpected_keys:
-        msg += f"Unexpected keys (not found in the checkpoint) encountered in the provided sharded state dict. Unexpected keys (for this rank): {sorted(unexpected_keys)}. "
+        msg += (
+            "Unexpected keys (not found in the checkpoint) encountered in the provided sharded state dict. "
+            f"Unexpected keys (for this rank): {sorted(unexpected_keys)}. "
+        )
     if raise_error:
         raise CheckpointingException(msg)
     logger.warning(msg)
@@ -298,9 +327,9 @@ def validate_integrity_and_strict_load(
     sharded_state_dict: ShardedStateDict,
     strict: StrictHandling,
     validate_access_integrity: bool,
-    local_metadata: Optional[LocalMetadata] = None,
-    global_metadata: Optional[GlobalMetadata] = None,
-    ckpt_sharded_metadata: Optional[ShardedStateDict] = None,
+    local_metadata: LocalMetadata | None = None,
+    global_metadata: GlobalMetadata | None = None,
+    ckpt_sharded_metadata: ShardedStateDict | None = None,
 ) -> tuple[ShardedStateDict, set[str], set[str]]:
     """Apply ``strict`` handling and the sharding check; returns (state dict without
     unexpected keys, missing keys, unexpected keys)."""

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from nemo_ckpt.ddp_config import DistributedDataParallelConfig
+from nemo_ckpt.parallel.ddp_config import DistributedDataParallelConfig
 
 
 @dataclass
@@ -41,15 +41,22 @@ def reduce_gradients(state: GradReduceState, bucket: dist.GradBucket) -> torch.f
     return work.get_future().then(write_back)
 
 
-def apply_ddp(module: nn.Module, mesh: DeviceMesh, config: DistributedDataParallelConfig,
-              device_ids: list[int] | None, grad_dtype: torch.dtype, reduce_dtype: torch.dtype | None,
-              **ddp_kwargs: Any) -> DistributedDataParallel:
+def apply_ddp(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    config: DistributedDataParallelConfig,
+    device_ids: list[int] | None,
+    grad_dtype: torch.dtype,
+    reduce_dtype: torch.dtype | None,
+    **ddp_kwargs: Any,
+) -> DistributedDataParallel:
     """Wrap `module` in DDP over `mesh`: buckets of `config.bucket_size` elements when `overlap_grad_reduce`,
     else one bucket reduced after backward; reduced in `reduce_dtype` (None: the gradient dtype)."""
     total = sum(param.numel() for param in module.parameters() if param.requires_grad)
     bucket_cap_mb = config.ddp_bucket_cap_mb(mesh.size(), grad_dtype.itemsize, total)
-    ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=mesh.get_group(),
-                                  bucket_cap_mb=bucket_cap_mb, **ddp_kwargs)
+    ddp = DistributedDataParallel(
+        module, device_ids=device_ids, process_group=mesh.get_group(), bucket_cap_mb=bucket_cap_mb, **ddp_kwargs
+    )
     group = mesh.get_group()
     in_collective = config.average_in_collective and dist.get_backend(group) == "nccl"
     if reduce_dtype not in (None, grad_dtype) or in_collective:

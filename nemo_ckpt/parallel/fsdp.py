@@ -5,8 +5,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from nemo_ckpt.ddp_config import DistributedDataParallelConfig
+from nemo_ckpt.parallel.ddp_config import DistributedDataParallelConfig
 from nemo_ckpt.parallel.meta_init import materialize
+
+
+def declared_units(root: nn.Module) -> tuple[type[nn.Module], ...]:
+    """The unit classes the modules under `root` declare in their `fsdp_unit_modules` class attribute."""
+    declared: list[type[nn.Module]] = []
+    for module in root.modules():
+        declared += [cls for cls in getattr(module, "fsdp_unit_modules", ()) if cls not in declared]
+    return tuple(declared)
 
 
 def outermost_units(root: nn.Module, unit_classes: tuple[type[nn.Module], ...]) -> list[nn.Module]:
@@ -19,8 +27,13 @@ def outermost_units(root: nn.Module, unit_classes: tuple[type[nn.Module], ...]) 
     return units
 
 
-def apply_fsdp(roots: list[nn.Module], mesh: DeviceMesh, config: DistributedDataParallelConfig,
-               device: torch.device, param_dtype: torch.dtype | None = None) -> list[FSDPModule]:
+def apply_fsdp(
+    roots: list[nn.Module],
+    mesh: DeviceMesh,
+    config: DistributedDataParallelConfig,
+    device: torch.device,
+    param_dtype: torch.dtype | None = None,
+) -> list[FSDPModule]:
     """Shard each of `roots` in place: its unit modules one by one, then the root itself.
 
     A module still on `meta` is materialized (`to_empty` + `reset_parameters`) just before it is sharded, so at
@@ -33,11 +46,12 @@ def apply_fsdp(roots: list[nn.Module], mesh: DeviceMesh, config: DistributedData
     reshard_after_forward = config.data_parallel_sharding_strategy == "optim_grads_params"
     fsdp_modules: list[FSDPModule] = []
     for root in roots:
-        units = outermost_units(root, config.fsdp_unit_module_classes())
+        units = outermost_units(root, config.fsdp_unit_module_classes() or declared_units(root))
         for unit in units:
             materialize(unit, device)
-            fsdp_modules.append(fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                                            mp_policy=mp_policy))
+            fsdp_modules.append(
+                fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+            )
         materialize(root, device)
         # the root's parameters are used again right at the start of backward: keep them gathered
         fsdp_modules.append(fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy))

@@ -29,22 +29,27 @@ def assign_owners(numels: list[int], world_size: int) -> list[int]:
 class ZeroOneSharding:
     """Partitions `optimizer` over the ranks of `group` by parameter (hooks on the optimizer and on `module`)."""
 
-    def __init__(self, optimizer: Optimizer, module: nn.Module, group: dist.ProcessGroup,
-                 overlap_param_gather: bool) -> None:
+    def __init__(
+        self, optimizer: Optimizer, module: nn.Module, group: dist.ProcessGroup, overlap_param_gather: bool
+    ) -> None:
         self.group = group
         self.rank = group.rank()
         self.overlap_param_gather = overlap_param_gather
-        self.params = [param for param_group in optimizer.param_groups for param in param_group["params"]
-                       if param.requires_grad]
+        self.params = [
+            param for param_group in optimizer.param_groups for param in param_group["params"] if param.requires_grad
+        ]
         owners = assign_owners([param.numel() for param in self.params], group.size())
         if len(set(owners)) < group.size():
-            raise ValueError(f"ZeRO-1 ('optim') needs at least one parameter per data-parallel rank: "
-                             f"{len(self.params)} parameters for {group.size()} ranks; use fewer ranks or 'no_shard'")
+            raise ValueError(
+                f"ZeRO-1 ('optim') needs at least one parameter per data-parallel rank: "
+                f"{len(self.params)} parameters for {group.size()} ranks; use fewer ranks or 'no_shard'"
+            )
         self.owner = dict(zip(self.params, owners))
         self.group_params = [list(param_group["params"]) for param_group in optimizer.param_groups]
         for param_group in optimizer.param_groups:
-            param_group["params"] = [param for param in param_group["params"] if param in self.owner
-                                     and self.owns(param)]
+            param_group["params"] = [
+                param for param in param_group["params"] if param in self.owner and self.owns(param)
+            ]
         self._pending: dict[nn.Parameter, dist.Work] = {}
         optimizer.register_step_post_hook(self._broadcast_params)
         if overlap_param_gather:
@@ -62,8 +67,9 @@ class ZeroOneSharding:
         for param in self.params:
             if not self.owns(param):
                 param.grad = None
-            self._pending[param] = dist.broadcast(param.detach(), group=self.group, group_src=self.owner[param],
-                                                  async_op=True)
+            self._pending[param] = dist.broadcast(
+                param.detach(), group=self.group, group_src=self.owner[param], async_op=True
+            )
         if not self.overlap_param_gather:
             self.wait_for_params()
 
@@ -81,9 +87,14 @@ class ZeroOneSharding:
         for param_group, params in zip(named_state["param_groups"], self.group_params):
             param_group["params"] = [names[param] for param in params]
         state = named_state["state"]
-        common = {name: {key: value for key, value in param_state.items()
-                         if not (isinstance(value, torch.Tensor) and value.dim() > 0)}
-                  for name, param_state in state.items()}
+        common = {
+            name: {
+                key: value
+                for key, value in param_state.items()
+                if not (isinstance(value, torch.Tensor) and value.dim() > 0)
+            }
+            for name, param_state in state.items()
+        }
         gathered: list[dict] = [{} for _ in range(self.group.size())]
         dist.all_gather_object(gathered, common, group=self.group)
         for param in self.params:

@@ -10,13 +10,15 @@ from safetensors.torch import load_file
 from nemo_ckpt import dist_checkpointing as dc
 from nemo_ckpt.dist_checkpointing import ShardedObject, ShardedTensor
 from nemo_ckpt.dist_checkpointing.cli import main
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 
 def _save(rank: int, ws: int, ckpt: str) -> None:
     dc.save(
         {
-            "w": ShardedTensor.from_rank_offsets("decoder.w", torch.arange(8, dtype=torch.bfloat16).view(2, 4) + 8 * rank, (0, rank, ws)),
+            "w": ShardedTensor.from_rank_offsets(
+                "decoder.w", torch.arange(8, dtype=torch.bfloat16).view(2, 4) + 8 * rank, (0, rank, ws)
+            ),
             "o": ShardedObject("rng", rank, (ws,), (rank,)),
             "iteration": 5,
         },

@@ -8,14 +8,18 @@ import torch
 
 from nemo_ckpt import dist_checkpointing as dc
 from nemo_ckpt.dist_checkpointing import LocalNonpersistentObject, ShardedObject, ShardedTensor
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 
 def _save_body(rank: int, world_size: int, ckpt_dir: str) -> None:
     n = 128 // world_size
     local = torch.arange(n * rank, n * (rank + 1), dtype=torch.float32)
     # 2-D tensor sharded on axis 1, replicated (main replica on rank 0) bias, object per rank
-    w = torch.arange(8 * 4 * world_size, dtype=torch.float32).view(8, 4 * world_size)[:, 4 * rank : 4 * (rank + 1)].clone()
+    w = (
+        torch.arange(8 * 4 * world_size, dtype=torch.float32)
+        .view(8, 4 * world_size)[:, 4 * rank : 4 * (rank + 1)]
+        .clone()
+    )
     state = {
         "weight": ShardedTensor.from_rank_offsets("weight", local, (0, rank, world_size)),
         "model": {
@@ -41,8 +45,11 @@ def _load_body(rank: int, world_size: int, ckpt_dir: str, saved_world_size: int)
         },
         "local": LocalNonpersistentObject(f"local-{rank}"),
         # every saved object read once as main replica; extra ranks read a non-main replica
-        "rng": [ShardedObject("rng", None, (saved_world_size,), (i,)) for i in range(rank, saved_world_size, world_size)]
-        + [ShardedObject("rng", None, (saved_world_size,), (rank % saved_world_size,), replica_id=1)] * (rank >= saved_world_size),
+        "rng": [
+            ShardedObject("rng", None, (saved_world_size,), (i,)) for i in range(rank, saved_world_size, world_size)
+        ]
+        + [ShardedObject("rng", None, (saved_world_size,), (rank % saved_world_size,), replica_id=1)]
+        * (rank >= saved_world_size),
     }
     loaded = dc.load(state, ckpt_dir)
     full_w = torch.arange(8 * 4 * saved_world_size, dtype=torch.float32).view(8, -1)
@@ -52,7 +59,9 @@ def _load_body(rank: int, world_size: int, ckpt_dir: str, saved_world_size: int)
     assert "weight" not in loaded
     assert loaded["local"] == f"local-{rank}"
     assert loaded["iteration"] == 42 and loaded["nested"] == {"names": ["a", "b"], "lr": 0.5}
-    expected_objs = [i for i in range(rank, saved_world_size, world_size)] + [rank % saved_world_size] * (rank >= saved_world_size)
+    expected_objs = [i for i in range(rank, saved_world_size, world_size)] + [rank % saved_world_size] * (
+        rank >= saved_world_size
+    )
     assert loaded["rng"] == [{"rank": i, "seed": 100 + i} for i in expected_objs]
     return {"keys": sorted(loaded)}
 

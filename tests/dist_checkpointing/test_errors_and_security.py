@@ -11,7 +11,7 @@ import torch
 
 from nemo_ckpt import dist_checkpointing as dc
 from nemo_ckpt.dist_checkpointing import ShardedObject, ShardedTensor
-from nemo_ckpt.dist_checkpointing.safe_globals import UnsafeCheckpointError, register_safe_globals, SAFE_GLOBALS
+from nemo_ckpt.dist_checkpointing.safe_globals import SAFE_GLOBALS, UnsafeCheckpointError, register_safe_globals
 
 
 class Custom:
@@ -75,7 +75,9 @@ def test_unknown_backend(tmp_path):
     _save(tmp_path)
     config = json.loads((tmp_path / "metadata.json").read_text())
     (tmp_path / "metadata.json").write_text(json.dumps({**config, "sharded_backend": "zarr2"}))
-    with pytest.raises(dc.CheckpointingException, match=r"Cannot find a default strategy for: \('load_sharded', 'zarr2', 1\)"):
+    with pytest.raises(
+        dc.CheckpointingException, match=r"Cannot find a default strategy for: \('load_sharded', 'zarr2', 1\)"
+    ):
         dc.load(_request(), tmp_path)
 
 
@@ -83,9 +85,13 @@ def test_missing_key_shape_and_dtype_mismatch(tmp_path):
     _save(tmp_path)
     with pytest.raises(dc.CheckpointingException, match=r"Key 'x' not found in checkpoint .*Stored tensor keys: v, w"):
         dc.load(_request(x=ShardedTensor.from_rank_offsets("x", torch.empty(1))), tmp_path)
-    with pytest.raises(dc.CheckpointingException, match=r"Global shape mismatch for key 'w'.*stored \(2, 3\), requested \(3, 3\)"):
+    with pytest.raises(
+        dc.CheckpointingException, match=r"Global shape mismatch for key 'w'.*stored \(2, 3\), requested \(3, 3\)"
+    ):
         dc.load(_request(w=ShardedTensor.from_rank_offsets("w", torch.empty(3, 3))), tmp_path)
-    with pytest.raises(dc.CheckpointingException, match=r"Dtype mismatch for key 'v'.*stored torch.float16, requested torch.float32"):
+    with pytest.raises(
+        dc.CheckpointingException, match=r"Dtype mismatch for key 'v'.*stored torch.float16, requested torch.float32"
+    ):
         dc.load(_request(v=ShardedTensor.from_rank_offsets("v", torch.empty(4))), tmp_path)
     with pytest.raises(dc.CheckpointingException, match=r"ShardedObject 'o/shard_0_1' not found"):
         dc.load(_request(o=ShardedObject("o", None, (1,), (0,))), tmp_path)
@@ -97,7 +103,9 @@ def test_truncated_missing_or_corrupt_data_files(tmp_path):
     data = open(path, "rb").read()
     with open(path, "wb") as f:
         f.write(data[: len(data) // 2])
-    with pytest.raises(dc.CheckpointingException, match=rf"{path.name} is truncated: \d+ bytes, but key '\w' needs \d+"):
+    with pytest.raises(
+        dc.CheckpointingException, match=rf"{path.name} is truncated: \d+ bytes, but key '\w' needs \d+"
+    ):
         dc.load(_request(), tmp_path)
     with open(path, "wb") as f:
         f.write(b"\0" * len(data))
@@ -107,13 +115,18 @@ def test_truncated_missing_or_corrupt_data_files(tmp_path):
     with pytest.raises(dc.CheckpointingException, match=rf"Checkpoint file .*{path.name} is missing \(needed for key"):
         dc.load(_request(), tmp_path)
     os.remove(tmp_path / ".metadata")
-    with pytest.raises(dc.CheckpointingException, match=r"\.metadata is missing: .* is not a complete torch_dist checkpoint"):
+    with pytest.raises(
+        dc.CheckpointingException, match=r"\.metadata is missing: .* is not a complete torch_dist checkpoint"
+    ):
         dc.load(_request(), tmp_path)
 
 
 def test_common_data_refuses_unknown_types_unless_opted_in(tmp_path):
     _save(tmp_path, cfg=Custom(5))
-    with pytest.raises(UnsafeCheckpointError, match=r"Refused to unpickle type '.*Custom' from common state file .*common.pt.*allow_unsafe_pickle=True"):
+    with pytest.raises(
+        UnsafeCheckpointError,
+        match=r"Refused to unpickle type '.*Custom' from common state file .*common.pt.*allow_unsafe_pickle=True",
+    ):
         dc.load_common_state_dict(tmp_path)
     with pytest.raises(UnsafeCheckpointError):
         dc.load(_request(), tmp_path)

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("megatron.core.dist_checkpointing")
 
 from nemo_ckpt import dist_checkpointing as ours  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
+from tests.helpers.distributed import run_distributed  # noqa: E402
 
 FULL = torch.arange(8 * 6, dtype=torch.float32).view(8, 6)
 LAYERS = torch.arange(4 * 3, dtype=torch.bfloat16).view(4, 3)
@@ -30,11 +30,16 @@ def _state(lib, rank: int, ws: int, template: bool) -> dict:
     rows = 8 // ws
     return {
         "w": lib.ShardedTensor.from_rank_offsets(
-            "decoder.w", torch.empty(rows, 6) if template else FULL[rank * rows : (rank + 1) * rows].clone(), (0, rank, ws)
+            "decoder.w",
+            torch.empty(rows, 6) if template else FULL[rank * rows : (rank + 1) * rows].clone(),
+            (0, rank, ws),
         ),
         "layers": [
             lib.ShardedTensor.from_rank_offsets(
-                "decoder.layers", torch.empty(3, dtype=torch.bfloat16) if template else LAYERS[i].clone(), (0, i, 4), prepend_axis_num=1
+                "decoder.layers",
+                torch.empty(3, dtype=torch.bfloat16) if template else LAYERS[i].clone(),
+                (0, i, 4),
+                prepend_axis_num=1,
             )
             for i in range(rank, 4, ws)
         ],
@@ -77,7 +82,10 @@ def _ours_save(rank: int, ws: int, ckpt: str) -> None:
     flat = FULL.flatten()
     bounds = [0, 5, 48] if ws == 2 else [0, 48]
     state["flat"] = ours.ShardedTensor.from_rank_offsets_flat(
-        "optimizer.flat", flat[bounds[rank] : bounds[rank + 1]].clone(), (8, 6), flattened_range=slice(bounds[rank], bounds[rank + 1])
+        "optimizer.flat",
+        flat[bounds[rank] : bounds[rank + 1]].clone(),
+        (8, 6),
+        flattened_range=slice(bounds[rank], bounds[rank + 1]),
     )
     state["iteration"] = 9
     ours.save(state, ckpt, content_metadata={"by": "nemo_ckpt"})

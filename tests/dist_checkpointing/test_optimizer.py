@@ -7,7 +7,7 @@ import torch
 from nemo_ckpt import dist_checkpointing as dc
 from nemo_ckpt.dist_checkpointing import LocalNonpersistentObject, ShardedTensor
 from nemo_ckpt.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 FULL_W = torch.arange(24, dtype=torch.float32).view(6, 4) / 10
 FULL_B = torch.ones(4)

@@ -10,7 +10,7 @@ import torch
 
 from nemo_ckpt import dist_checkpointing as dc
 from nemo_ckpt.dist_checkpointing import ShardedTensor, ShardedTensorFactory
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 UNEVEN = torch.arange(20, dtype=torch.float32)
 LAYERS = torch.arange(4 * 6, dtype=torch.float32).view(4, 6)
@@ -95,10 +95,13 @@ def _state(rank: int, ws: int, template: bool, emb_rows: int) -> dict:
         "emb": _embedding(rank, ws, emb_rows, template),
         "fused": _fused(rank, torch.zeros(4, 2) if template else FUSED.clone()),
         "bf16": ShardedTensor.from_rank_offsets(
-            "bf16", torch.zeros(3, dtype=torch.bfloat16) if template else torch.tensor([1.5, 2.5, 3.5], dtype=torch.bfloat16),
+            "bf16",
+            torch.zeros(3, dtype=torch.bfloat16) if template else torch.tensor([1.5, 2.5, 3.5], dtype=torch.bfloat16),
             replica_id=(0, rank),
         ),
-        "scalar": ShardedTensor.from_rank_offsets("scalar", torch.tensor(0) if template else torch.tensor(7), replica_id=rank),
+        "scalar": ShardedTensor.from_rank_offsets(
+            "scalar", torch.tensor(0) if template else torch.tensor(7), replica_id=rank
+        ),
     }
 
 

@@ -10,7 +10,7 @@ import torch
 from nemo_ckpt import dist_checkpointing as dc
 from nemo_ckpt.dist_checkpointing import ShardedObject, ShardedTensor, StrictHandling
 from nemo_ckpt.dist_checkpointing.validation import parse_strict_flag
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 
 def _bad_states(rank: int, ws: int) -> dict[str, dict]:
@@ -23,7 +23,11 @@ def _bad_states(rank: int, ws: int) -> dict[str, dict]:
         # ranks disagree on the global shape
         "shape": {"w": ShardedTensor.from_rank_offsets("w.shape", torch.ones(4 + rank), (0, rank, ws))},
         # ranks disagree on the dtype
-        "dtype": {"w": ShardedTensor.from_rank_offsets("w.dtype", x.to(torch.float64 if rank else torch.float32), (0, rank, ws))},
+        "dtype": {
+            "w": ShardedTensor.from_rank_offsets(
+                "w.dtype", x.to(torch.float64 if rank else torch.float32), (0, rank, ws)
+            )
+        },
         # two main replicas of one object
         "object": {"o": ShardedObject("obj", rank, (1,), (0,))},
         # a shard outside the global shape

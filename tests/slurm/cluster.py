@@ -6,8 +6,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CLUSTER_SH = Path(__file__).with_name("cluster.sh")
-TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                   "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+TERMINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 @dataclass(frozen=True)
@@ -17,8 +26,9 @@ class SlurmCluster:
 
     def job(self, job_id: str) -> dict[str, str]:
         """``scontrol show job`` fields of a job the controller still remembers."""
-        out = subprocess.run(["scontrol", "show", "job", "--oneliner", job_id], check=True,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            ["scontrol", "show", "job", "--oneliner", job_id], check=True, capture_output=True, text=True
+        ).stdout
         return dict(field.split("=", 1) for field in out.split() if "=" in field)
 
     def wait(self, job_id: str, timeout: float = 90) -> dict[str, str]:
@@ -35,5 +45,6 @@ class SlurmCluster:
 
 def cluster_sh(*args: str, timeout: float) -> subprocess.CompletedProcess:
     """Run `cluster.sh ARGS`, capturing its output."""
-    return subprocess.run(["bash", str(CLUSTER_SH), *args], capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        ["bash", str(CLUSTER_SH), *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+    )

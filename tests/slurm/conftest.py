@@ -3,8 +3,8 @@
 import io
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import nemo_run.config
 import pytest

@@ -6,17 +6,28 @@ from tests.slurm.cluster import SlurmCluster
 
 
 def test_node_is_idle(slurm_cluster: SlurmCluster) -> None:
-    out = subprocess.run(["sinfo", "--noheader", "--format=%P %t %D"], check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["sinfo", "--noheader", "--format=%P %t %D"], check=True, capture_output=True, text=True
+    ).stdout
     assert out.split() == ["debug*", "idle", "1"]
 
 
 def test_sbatch_two_task_job(slurm_cluster: SlurmCluster, tmp_path) -> None:
     output = tmp_path / "out_%j.txt"
     job_id = subprocess.run(
-        ["sbatch", "--parsable", "--ntasks=2", "--time=00:01:00", f"--output={output}",
-         "--wrap", "srun hostname; echo SLURM_NTASKS=$SLURM_NTASKS"],
-        check=True, capture_output=True, text=True).stdout.strip()
+        [
+            "sbatch",
+            "--parsable",
+            "--ntasks=2",
+            "--time=00:01:00",
+            f"--output={output}",
+            "--wrap",
+            "srun hostname; echo SLURM_NTASKS=$SLURM_NTASKS",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
 
     info = slurm_cluster.wait(job_id)
 
@@ -30,9 +41,11 @@ def test_sbatch_two_task_job(slurm_cluster: SlurmCluster, tmp_path) -> None:
 
 def test_failed_job_reports_exit_code(slurm_cluster: SlurmCluster, tmp_path) -> None:
     job_id = subprocess.run(
-        ["sbatch", "--parsable", "--time=00:01:00", f"--output={tmp_path / 'out.txt'}",
-         "--wrap", "exit 3"],
-        check=True, capture_output=True, text=True).stdout.strip()
+        ["sbatch", "--parsable", "--time=00:01:00", f"--output={tmp_path / 'out.txt'}", "--wrap", "exit 3"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
 
     info = slurm_cluster.wait(job_id)
 

@@ -55,14 +55,14 @@ def logged_steps(log_dir: Path) -> list[int]:
 
 
 def nemo(*args: str) -> str:
-    result = subprocess.run([NEMO, *args], check=False, cwd=REPO, capture_output=True, text=True, timeout=240,
-                            stdin=subprocess.DEVNULL)
+    result = subprocess.run(
+        [NEMO, *args], check=False, cwd=REPO, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout + result.stderr
 
 
-def test_recipe_trains_checkpoints_and_resumes(slurm_cluster: SlurmCluster, nemorun_home: Path,
-                                               tmp_path: Path) -> None:
+def test_recipe_trains_checkpoints_and_resumes(slurm_cluster: SlurmCluster, nemorun_home: Path, tmp_path: Path) -> None:
     log_dir = tmp_path / "runs"
     exp_id, job_id, job_dir = submit(tiny(log_dir, max_steps=10, every_n_train_steps=5))
 
@@ -76,7 +76,10 @@ def test_recipe_trains_checkpoints_and_resumes(slurm_cluster: SlurmCluster, nemo
     weights = checkpoint_of(log_dir, 10) / "weights"
     assert json.loads((weights / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
     assert sorted(p.name for p in weights.glob("*.distcp")) == [  # 2 writers per rank; rank 1 holds replicas only
-        "__0_0.distcp", "__0_1.distcp", "__1_0.distcp"]
+        "__0_0.distcp",
+        "__0_1.distcp",
+        "__1_0.distcp",
+    ]
     assert logged_steps(log_dir) == list(range(10))
 
     status = nemo("experiment", "status", exp_id)
@@ -94,13 +97,24 @@ def test_recipe_trains_checkpoints_and_resumes(slurm_cluster: SlurmCluster, nemo
     assert [record["step"] for record in manifest(log_dir)["checkpoints"]] == [5, 10, 15]
 
 
-def test_command_line_submits_to_slurm_and_waits(slurm_cluster: SlurmCluster, nemorun_home: Path,
-                                                 tmp_path: Path) -> None:
+def test_command_line_submits_to_slurm_and_waits(
+    slurm_cluster: SlurmCluster, nemorun_home: Path, tmp_path: Path
+) -> None:
     log_dir = tmp_path / "runs"
-    output = nemo("nemo_ckpt", "pretrain", "--factory", "tiny", "trainer.max_steps=6",
-                  "log.ckpt.every_n_train_steps=3", f"log.log_dir={log_dir}",
-                  "run.executor=slurm", "run.executor.ntasks_per_node=2", "run.executor.time=00:10:00",
-                  f"run.executor.env_vars={{'PATH': '{JOB_PATH}'}}", "--yes")
+    output = nemo(
+        "nemo_ckpt",
+        "pretrain",
+        "--factory",
+        "tiny",
+        "trainer.max_steps=6",
+        "log.ckpt.every_n_train_steps=3",
+        f"log.log_dir={log_dir}",
+        "run.executor=slurm",
+        "run.executor.ntasks_per_node=2",
+        "run.executor.time=00:10:00",
+        f"run.executor.env_vars={{'PATH': '{JOB_PATH}'}}",
+        "--yes",
+    )
 
     [job_dir] = (nemorun_home / "experiments").glob("pretrain/pretrain_*/pretrain")
     [log_file] = job_dir.glob("log-nemo_ckpt.pretrain_*_0.out")
@@ -110,8 +124,9 @@ def test_command_line_submits_to_slurm_and_waits(slurm_cluster: SlurmCluster, ne
     assert (checkpoint_of(log_dir, 6) / "weights" / "metadata.json").is_file()
 
 
-def test_preemption_signal_checkpoints_requeues_and_resumes(slurm_cluster: SlurmCluster, nemorun_home: Path,
-                                                            tmp_path: Path) -> None:
+def test_preemption_signal_checkpoints_requeues_and_resumes(
+    slurm_cluster: SlurmCluster, nemorun_home: Path, tmp_path: Path
+) -> None:
     log_dir = tmp_path / "runs"
     max_steps = 150
     _, job_id, job_dir = submit(tiny(log_dir, max_steps=max_steps, every_n_train_steps=10), signal="USR1@60")
@@ -140,12 +155,28 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(slurm_cluster: Slurm
 
 @pytest.mark.parametrize("account", ["nemo_ckpt", "other"])
 def test_job_runs_under_a_valid_account(slurm_cluster: SlurmCluster, tmp_path: Path, account: str) -> None:
-    job_id = subprocess.run(["sbatch", "--parsable", f"--account={account}", "--time=00:01:00",
-                             f"--output={tmp_path / 'out.txt'}", "--wrap=true"],
-                            check=True, capture_output=True, text=True).stdout.strip()
+    job_id = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            f"--account={account}",
+            "--time=00:01:00",
+            f"--output={tmp_path / 'out.txt'}",
+            "--wrap=true",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     assert slurm_cluster.wait(job_id)["Account"] == account
     deadline = time.monotonic() + 30
-    while (sacct := subprocess.run(["sacct", "-X", "--noheader", "--parsable2", "--format=Account,State", "-j", job_id],
-                                   check=True, capture_output=True, text=True).stdout.split()) != [f"{account}|COMPLETED"]:
+    while (
+        sacct := subprocess.run(
+            ["sacct", "-X", "--noheader", "--parsable2", "--format=Account,State", "-j", job_id],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+    ) != [f"{account}|COMPLETED"]:
         assert time.monotonic() < deadline, f"sacct still shows {sacct}"  # records reach slurmdbd asynchronously
         time.sleep(0.5)

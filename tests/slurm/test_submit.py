@@ -24,15 +24,19 @@ dist.destroy_process_group()
 """
 
 
-def test_experiment_runs_torchrun_allreduce(slurm_cluster: SlurmCluster, nemorun_home: Path,
-                                            tmp_path: Path) -> None:
+def test_experiment_runs_torchrun_allreduce(slurm_cluster: SlurmCluster, nemorun_home: Path, tmp_path: Path) -> None:
     script = tmp_path / "allreduce.py"
     script.write_text(ALLREDUCE)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    executor = slurm_executor(partition="debug", nodes=1, ntasks_per_node=2, time="00:05:00",
-                              env_vars={"PATH": f"{Path(sys.executable).parent}:$PATH"},
-                              signal="USR1@30")
+    executor = slurm_executor(
+        partition="debug",
+        nodes=1,
+        ntasks_per_node=2,
+        time="00:05:00",
+        env_vars={"PATH": f"{Path(sys.executable).parent}:$PATH"},
+        signal="USR1@30",
+    )
 
     with run.Experiment("allreduce", executor=executor, log_level="WARN") as exp:
         exp.add(run.Script(path=str(script), entrypoint="python", args=[str(out_dir)]), name="allreduce")
@@ -56,14 +60,18 @@ def test_check_submittable_accepts_fitting_job(slurm_cluster: SlurmCluster) -> N
     assert "to start at" in message and "partition debug" in message
 
 
-@pytest.mark.parametrize("kwargs, error", [
-    ({"partition": "nope"}, "Invalid partition name"),
-    ({"time": "05:00:00"}, "time limit"),
-    ({"nodes": 2}, "Node count specification invalid"),
-    ({"gpus_per_node": 1}, "gres"),
-    ({"account": "nope"}, "Invalid account.*set account= to one of your Slurm accounts \\(account='nope'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"partition": "nope"}, "Invalid partition name"),
+        ({"time": "05:00:00"}, "time limit"),
+        ({"nodes": 2}, "Node count specification invalid"),
+        ({"gpus_per_node": 1}, "gres"),
+        ({"account": "nope"}, "Invalid account.*set account= to one of your Slurm accounts \\(account='nope'"),
+    ],
+)
 def test_check_submittable_rejects_what_the_cluster_cannot_run(
-        slurm_cluster: SlurmCluster, kwargs: dict, error: str) -> None:
+    slurm_cluster: SlurmCluster, kwargs: dict, error: str
+) -> None:
     with pytest.raises(ValueError, match=error):
         check_submittable(slurm_executor(**kwargs))

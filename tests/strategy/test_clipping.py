@@ -8,12 +8,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.profiler import profile
 
-from nemo_ckpt.ddp_config import DistributedDataParallelConfig
 from nemo_ckpt.models import gpt_config
 from nemo_ckpt.models.gpt import GPT
 from nemo_ckpt.optim import clip_grad_norm
+from nemo_ckpt.parallel.ddp_config import DistributedDataParallelConfig
 from nemo_ckpt.parallel.fsdp import apply_fsdp
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 BATCH = 4
 MAX_NORMS = (1e-2, 1e3)  # one clips, one leaves the gradients as they are

@@ -5,11 +5,11 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from nemo_ckpt.ddp_config import SHARDING_STRATEGIES, DistributedDataParallelConfig
 from nemo_ckpt.models.gpt import GPT, gpt_config
+from nemo_ckpt.parallel.ddp_config import SHARDING_STRATEGIES, DistributedDataParallelConfig
 from nemo_ckpt.parallel.fsdp import apply_fsdp
-from tests.distributed import run_distributed
-from tests.strategy.training import fit
+from tests.helpers.distributed import run_distributed
+from tests.helpers.trainer import fit
 
 
 def shard_meta_model(rank: int, world_size: int) -> dict[str, object]:
@@ -20,8 +20,12 @@ def shard_meta_model(rank: int, world_size: int) -> dict[str, object]:
     with torch.device("meta"):
         model = GPT(config)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-    apply_fsdp([model], mesh, DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads_params"),
-               torch.device("cpu"))
+    apply_fsdp(
+        [model],
+        mesh,
+        DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads_params"),
+        torch.device("cpu"),
+    )
     params = dict(model.named_parameters())
     return {
         "all_dtensors_on_cpu": all(isinstance(p, DTensor) and p.device.type == "cpu" for p in params.values()),
@@ -32,10 +36,13 @@ def shard_meta_model(rank: int, world_size: int) -> dict[str, object]:
 
 
 def train_meta_and_eager(rank: int, world_size: int) -> dict[str, tuple[list[float], list[float]]]:
-    return {strategy: (fit(world_size, {"data_parallel_sharding_strategy": strategy}, 3),
-                       fit(world_size, {"data_parallel_sharding_strategy": strategy}, 3,
-                           init_model_with_meta_device=True))
-            for strategy in SHARDING_STRATEGIES}
+    return {
+        strategy: (
+            fit(world_size, {"data_parallel_sharding_strategy": strategy}, 3),
+            fit(world_size, {"data_parallel_sharding_strategy": strategy}, 3, init_model_with_meta_device=True),
+        )
+        for strategy in SHARDING_STRATEGIES
+    }
 
 
 def test_meta_model_is_materialized_shard_by_shard_with_eager_weights():

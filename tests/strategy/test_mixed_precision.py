@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from tests.distributed import run_distributed
-from tests.strategy.training import fit
+from tests.helpers.distributed import run_distributed
+from tests.helpers.trainer import fit
 
 STEPS = 8
 
@@ -22,8 +22,9 @@ class RecordDtypes(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         projection = pl_module.module.layers[0].mlp.up_proj
-        projection.register_forward_hook(lambda module, args, output: self.dtypes.update(
-            compute=output.dtype, weight_in_forward=module.weight.dtype))
+        projection.register_forward_hook(
+            lambda module, args, output: self.dtypes.update(compute=output.dtype, weight_in_forward=module.weight.dtype)
+        )
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         weight = pl_module.module.layers[0].mlp.up_proj.weight
@@ -31,14 +32,19 @@ class RecordDtypes(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         optimizer = trainer.optimizers[0]
-        self.dtypes["optimizer_state"] = {value.dtype for state in optimizer.state.values()
-                                          for value in state.values() if value.dim() > 0}
+        self.dtypes["optimizer_state"] = {
+            value.dtype for state in optimizer.state.values() for value in state.values() if value.dim() > 0
+        }
 
 
 def train_bf16(rank: int, world_size: int) -> dict[str, Any]:
     results = {"fp32": fit(world_size, {"data_parallel_sharding_strategy": "no_shard"}, STEPS)}
-    for strategy, grad_reduce_in_fp32 in [("no_shard", False), ("optim", True), ("optim_grads_params", True),
-                                          ("optim_grads_params", False)]:
+    for strategy, grad_reduce_in_fp32 in [
+        ("no_shard", False),
+        ("optim", True),
+        ("optim_grads_params", True),
+        ("optim_grads_params", False),
+    ]:
         recorder = RecordDtypes()
         ddp = {"data_parallel_sharding_strategy": strategy, "grad_reduce_in_fp32": grad_reduce_in_fp32}
         losses = fit(world_size, ddp, STEPS, precision="bf16-mixed", callbacks=[recorder])

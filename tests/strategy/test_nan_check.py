@@ -5,8 +5,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from tests.distributed import run_distributed
-from tests.strategy.training import fit
+from tests.helpers.distributed import run_distributed
+from tests.helpers.trainer import fit
 
 
 class PoisonGradient(pl.Callback):

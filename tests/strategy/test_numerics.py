@@ -2,8 +2,8 @@
 
 import pytest
 
-from tests.distributed import run_distributed
-from tests.strategy.training import fit
+from tests.helpers.distributed import run_distributed
+from tests.helpers.trainer import fit
 
 STEPS = 20
 # each strategy with its communication options on, so they are exercised too

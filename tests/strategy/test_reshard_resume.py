@@ -8,46 +8,34 @@ shards) -> ZeRO-1 on 2 -> FSDP2 without resharding on 1.
 from pathlib import Path
 
 import pytest
-import torch
 
-from nemo_ckpt import dist_checkpointing
-from tests.distributed import run_distributed
-from tests.strategy.training import fit
+from tests.helpers.distributed import run_distributed
+from tests.helpers.trainer import assert_same_checkpoint, fit
 
 MAX_STEPS = 10
 MODEL = {"ffn_hidden_size": 170}  # 170 rows over 4 ranks: shards of 43, 43, 43 and 41
 CHAIN = [(2, "optim_grads_params"), (1, "no_shard"), (4, "optim_grads_params"), (2, "optim"), (1, "optim_grads")]
 
 
-def train_phase(rank: int, world_size: int, strategy: str, stop_at: int, resume_from: Path | None,
-                directory: Path) -> list[float]:
-    return fit(world_size, {"data_parallel_sharding_strategy": strategy}, MAX_STEPS, ckpt_path=resume_from,
-               stop_at=stop_at, save_to=directory / f"step{stop_at}",
-               save_at_start=directory / f"loaded{stop_at - 2}" if resume_from else None, model_overrides=MODEL)
+def train_phase(
+    rank: int, world_size: int, strategy: str, stop_at: int, resume_from: Path | None, directory: Path
+) -> list[float]:
+    return fit(
+        world_size,
+        {"data_parallel_sharding_strategy": strategy},
+        MAX_STEPS,
+        ckpt_path=resume_from,
+        stop_at=stop_at,
+        save_to=directory / f"step{stop_at}",
+        save_at_start=directory / f"loaded{stop_at - 2}" if resume_from else None,
+        model_overrides=MODEL,
+    )
 
 
 def uninterrupted(rank: int, world_size: int) -> list[float]:
     return fit(world_size, {"data_parallel_sharding_strategy": "no_shard"}, MAX_STEPS, model_overrides=MODEL)
 
 
-def assert_same_checkpoint(saved: Path, loaded: Path) -> None:
-    expected = dist_checkpointing.load_plain_tensors(saved / "weights")
-    actual = dist_checkpointing.load_plain_tensors(loaded / "weights")
-    assert expected.keys() == actual.keys()
-    assert any(key.startswith("optimizer.state.exp_avg_sq.") for key in expected)
-    for key in expected:
-        assert torch.equal(expected[key], actual[key]), key
-    expected_common = dist_checkpointing.load_common_state_dict(saved / "weights")
-    actual_common = dist_checkpointing.load_common_state_dict(loaded / "weights")
-    assert actual_common["global_step"] == expected_common["global_step"]
-    [expected_optim], [actual_optim] = expected_common["optimizer_states"], actual_common["optimizer_states"]
-    assert expected_optim["state"].keys() == actual_optim["state"].keys()
-    for name, state in expected_optim["state"].items():
-        assert torch.equal(state["step"], actual_optim["state"][name]["step"]), name
-    assert actual_optim["param_groups"] == expected_optim["param_groups"]
-
-
-@pytest.fixture(scope="module")
 def chain(tmp_path_factory) -> tuple[Path, list[float]]:
     directory = tmp_path_factory.mktemp("chain")
     losses: list[float] = []

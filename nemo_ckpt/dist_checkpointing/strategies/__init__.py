@@ -1,11 +1,2 @@
-"""Save and load strategies, registered by (backend, version)."""
-
-from .base import (
-    LoadCommonStrategy,
-    LoadShardedStrategy,
-    SaveCommonStrategy,
-    SaveShardedStrategy,
-    StrategyAction,
-    get_default_strategy,
-    register_default_strategy,
-)
+"""Save and load strategies: interfaces (``base``), formats (``torch``, ``common``, ``zarr``), the default of each
+format (``defaults``) and wrappers that change how the work is done (``fully_parallel``, async)."""

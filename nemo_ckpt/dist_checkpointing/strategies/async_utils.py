@@ -13,8 +13,9 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ class AsyncRequest(NamedTuple):
         is_frozen: a frozen request takes no more finalize functions.
     """
 
-    async_fn: Optional[Callable]
+    async_fn: Callable | None
     async_fn_args: tuple
     finalize_fns: list[Callable]
     async_fn_kwargs: dict = {}
@@ -61,7 +62,7 @@ class AsyncRequest(NamedTuple):
         for finalize_fn in self.finalize_fns:
             finalize_fn()
 
-    def freeze(self) -> "AsyncRequest":
+    def freeze(self) -> AsyncRequest:
         """A copy that takes no more finalize functions."""
         return self._replace(is_frozen=True)
 
@@ -70,7 +71,7 @@ class AsyncRequest(NamedTuple):
 class _Call:
     request: AsyncRequest
     done: threading.Event = field(default_factory=threading.Event)
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
 
 
 class AsyncCaller:
@@ -81,7 +82,7 @@ class AsyncCaller:
     """
 
     def __init__(self) -> None:
-        self._calls: queue.Queue[Optional[_Call]] = queue.Queue()
+        self._calls: queue.Queue[_Call | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="async-checkpoint-writer", daemon=True)
         self._thread.start()
 
@@ -107,15 +108,14 @@ class AsyncCaller:
         self._thread.join()
 
 
-def _failure(what: str, error: Optional[BaseException]) -> CheckpointingException:
+def _failure(what: str, error: BaseException | None) -> CheckpointingException:
     detail = f": {type(error).__name__}: {error}" if error is not None else " on another rank"
     failure = CheckpointingException(f"{what} failed{detail}")
     failure.__cause__ = error
     return failure
 
 
-def raise_if_failed_anywhere(error: Optional[BaseException], what: str,
-                             group: Optional[dist.ProcessGroup] = None) -> None:
+def raise_if_failed_anywhere(error: BaseException | None, what: str, group: dist.ProcessGroup | None = None) -> None:
     """Collective: raise CheckpointingException on every rank if ``error`` is set on any rank."""
     failed = error is not None
     if dist.is_initialized():
@@ -138,11 +138,11 @@ class AsyncCallsQueue:
     rank of ``group`` (default: the whole world), the same number of times.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.async_calls: deque[_ActiveAsyncRequest] = deque()
         self.call_idx = -1
         self.group = group
-        self._caller: Optional[AsyncCaller] = None
+        self._caller: AsyncCaller | None = None
 
     def schedule_async_request(self, async_request: AsyncRequest) -> int:
         """Start writing in the background; returns the call's index."""
@@ -175,13 +175,16 @@ class AsyncCallsQueue:
     def _done_everywhere(self, idx: int, call: _Call, no_dist: bool) -> bool:
         done, failed = call.done.is_set(), call.error is not None
         if not no_dist and dist.is_initialized():
-            flags = torch.tensor([int(not done), int(failed), idx, -idx], dtype=torch.int64,
-                                 device=collective_device(self.group))
+            flags = torch.tensor(
+                [int(not done), int(failed), idx, -idx], dtype=torch.int64, device=collective_device(self.group)
+            )
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
             not_done, any_failed, max_idx, neg_min_idx = flags.tolist()
             if max_idx != -neg_min_idx:
-                raise CheckpointingException(f"Ranks finalize different async checkpoint calls ({-neg_min_idx} to "
-                                             f"{max_idx}): call maybe_finalize_async_calls on every rank")
+                raise CheckpointingException(
+                    f"Ranks finalize different async checkpoint calls ({-neg_min_idx} to "
+                    f"{max_idx}): call maybe_finalize_async_calls on every rank"
+                )
             done, failed = not not_done, bool(any_failed)
         if failed:
             self.async_calls.popleft()

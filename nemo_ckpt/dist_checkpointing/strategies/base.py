@@ -1,66 +1,45 @@
-"""Strategy interfaces and the default-strategy registry keyed by (backend, version).
+"""Strategy interfaces.
 
 A save strategy writes one checkpoint format (``backend``, ``version``, recorded in
 ``metadata.json``); a load strategy reads it. Wrappers (fully parallel, async, ...)
-change how the work is done, never the format.
+change how the work is done, never the format. :mod:`.defaults` picks the strategy of a
+format by its name.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import defaultdict
-from enum import Enum
 from pathlib import Path
-from typing import Any
+
+import torch
 
 from ..core import CheckpointingException
 from ..mapping import ShardedStateDict, StateDict
 
 
-class StrategyAction(Enum):
-    """Which of the four strategy kinds a registry entry is."""
-
-    LOAD_COMMON = "load_common"
-    LOAD_SHARDED = "load_sharded"
-    SAVE_COMMON = "save_common"
-    SAVE_SHARDED = "save_sharded"
-
-
-default_strategies: dict[str, dict[tuple[str, int], Any]] = defaultdict(dict)
-
-
-def register_default_strategy(action: StrategyAction, backend: str, version: int, strategy: Any) -> None:
-    """Make ``strategy`` the default for ``action`` on (backend, version)."""
-    default_strategies[action.value][(backend, version)] = strategy
-
-
-def _register_builtin_strategies() -> None:
-    from . import common, torch, zarr  # noqa: F401  (modules register themselves on import)
-
-
-def get_default_strategy(action: StrategyAction, backend: str, version: int) -> Any:
-    """The registered default strategy for ``action`` on (backend, version)."""
-    _register_builtin_strategies()
-    try:
-        return default_strategies[action.value][(backend, version)]
-    except KeyError as e:
-        known = sorted(default_strategies[action.value])
-        raise CheckpointingException(
-            f"Cannot find a default strategy for: {(action.value, backend, version)}. "
-            f"Known (backend, version) pairs for {action.value}: {known}"
-        ) from e
+def load_device(load_directly_on_device: bool) -> torch.device:
+    """Where loaded tensors without a destination go: the current accelerator if asked and present, else CPU."""
+    accelerator = torch.accelerator.current_accelerator() if load_directly_on_device else None
+    return accelerator if accelerator is not None else torch.device("cpu")
 
 
 class LoadStrategyBase(ABC):
-    """Base of load strategies."""
+    """Base of load strategies: each reads the format named ``backend`` in the ``supported_versions``."""
 
-    @abstractmethod
+    backend: str
+    supported_versions: tuple[int, ...] = (1,)
+
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         """Raise CheckpointingException if this strategy cannot read ``loaded_backend``."""
+        if loaded_backend != self.backend:
+            raise CheckpointingException(f"{self.__class__.__name__} cannot load backend '{loaded_backend}'")
 
-    @abstractmethod
     def check_version_compatibility(self, loaded_version: int) -> None:
         """Raise CheckpointingException if this strategy cannot read ``loaded_version``."""
+        if loaded_version not in self.supported_versions:
+            raise CheckpointingException(
+                f"{self.__class__.__name__} cannot load {self.backend} version {loaded_version}"
+            )
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -68,7 +47,7 @@ class LoadStrategyBase(ABC):
         return False
 
 
-class SaveStrategyBase(ABC):
+class SaveStrategyBase:
     """Base of save strategies: one (backend, version) format."""
 
     def __init__(self, backend: str, version: int) -> None:
@@ -118,7 +97,7 @@ class LoadShardedStrategy(LoadStrategyBase):
         raise NotImplementedError(f"{self.__class__.__name__} must implement load_sharded_metadata")
 
 
-class SaveCommonStrategy(SaveStrategyBase):
+class SaveCommonStrategy(SaveStrategyBase, ABC):
     """Saves the common part of a checkpoint (rank 0)."""
 
     @abstractmethod
@@ -130,7 +109,7 @@ class SaveCommonStrategy(SaveStrategyBase):
         raise NotImplementedError(f"{self.__class__.__name__} cannot save ShardedObjects")
 
 
-class SaveShardedStrategy(SaveStrategyBase):
+class SaveShardedStrategy(SaveStrategyBase, ABC):
     """Saves ShardedTensors (and possibly ShardedObjects). Collective over all ranks."""
 
     @abstractmethod

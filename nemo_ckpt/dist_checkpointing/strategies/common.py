@@ -12,14 +12,11 @@ from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
 from ..safe_globals import UnsafeCheckpointError, safe_torch_load
-from .base import LoadCommonStrategy, SaveCommonStrategy, StrategyAction, register_default_strategy
+from ..utils import get_rank
+from .base import LoadCommonStrategy, SaveCommonStrategy
+from .torch import load_common_state_object
 
 COMMON_STATE_FNAME = "common.pt"
-
-
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class TorchCommonSaveStrategy(SaveCommonStrategy):
@@ -34,7 +31,7 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
         return True
 
     def save_common(self, common_state_dict: StateDict, checkpoint_dir: Path) -> None:
-        if _rank() == 0:
+        if get_rank() == 0:
             torch.save(common_state_dict, os.path.join(checkpoint_dir, COMMON_STATE_FNAME))
 
     def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
@@ -49,6 +46,8 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
     """Reads ``common.pt`` (or, for checkpoints without it, the ``common_state`` object that
     Megatron-Core >= 0.19 stores in the torch_dist data) with the safe unpickler."""
 
+    backend = "torch"
+
     def __init__(self, allow_unsafe_pickle: bool = False) -> None:
         self.allow_unsafe_pickle = allow_unsafe_pickle
 
@@ -56,20 +55,10 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def check_backend_compatibility(self, loaded_backend: str) -> None:
-        if loaded_backend != "torch":
-            raise CheckpointingException(f"{self.__class__.__name__} cannot load common backend '{loaded_backend}'")
-
-    def check_version_compatibility(self, loaded_version: int) -> None:
-        if loaded_version != 1:
-            raise CheckpointingException(f"{self.__class__.__name__} cannot load torch version {loaded_version}")
-
     def load_common(self, checkpoint_dir: Path) -> StateDict:
         path = os.path.join(checkpoint_dir, COMMON_STATE_FNAME)
         if os.path.isfile(path):
             return safe_torch_load(path, f"common state file {path}", self.allow_unsafe_pickle)
-        from .torch import load_common_state_object  # torch_dist stores it as an object
-
         try:
             return load_common_state_object(Path(checkpoint_dir), self.allow_unsafe_pickle)
         except UnsafeCheckpointError:
@@ -97,7 +86,3 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
                     sh_obj = ShardedObject.empty_from_unique_key(rel_key)
                     sharded_metadata[sh_obj.unique_key] = sh_obj
         return sharded_metadata
-
-
-register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1, TorchCommonLoadStrategy())
-register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, TorchCommonSaveStrategy("torch", 1))

@@ -24,17 +24,18 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
+from ..._compat import storage_type_dtypes
 from ..core import CheckpointingException
 
 EDGE_BYTES = 4096  # read at both ends of an item: the zip's metadata
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
 _LOCAL_SIGNATURE = b"PK\x03\x04"
-_STORAGE_DTYPES = torch.storage._storage_type_to_dtype_map()
+_STORAGE_DTYPES = storage_type_dtypes()
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,15 @@ class _Rebuild:
     stride: tuple[int, ...]
 
 
-def _rebuild_tensor_v2(storage: tuple, storage_offset: int, size: tuple, stride: tuple, requires_grad: bool,
-                       backward_hooks: Any, metadata: Any = None) -> _Rebuild:
+def _rebuild_tensor_v2(
+    storage: tuple,
+    storage_offset: int,
+    size: tuple,
+    stride: tuple,
+    requires_grad: bool,
+    backward_hooks: Any,
+    metadata: Any = None,
+) -> _Rebuild:
     if backward_hooks or metadata:
         raise pickle.UnpicklingError("tensor with hooks or metadata")
     return _Rebuild(storage, storage_offset, tuple(size), tuple(stride))
@@ -134,7 +142,7 @@ def _stored_entry(view: _ItemView, info: zipfile.ZipInfo) -> tuple[int, int]:
     return info.header_offset + _LOCAL_HEADER.size + name_len + extra_len, info.file_size
 
 
-def locate_tensor(fd: int, offset: int, length: int) -> Optional[RawTensor]:
+def locate_tensor(fd: int, offset: int, length: int) -> RawTensor | None:
     """The raw layout of the ``torch.save``d plain tensor at ``offset``; None if it is anything else."""
     view = _ItemView(fd, offset, length)
     try:
@@ -149,8 +157,16 @@ def locate_tensor(fd: int, offset: int, length: int) -> Optional[RawTensor]:
                 return None
             _, dtype, key, _, numel = rebuilt.storage
             data_pos, data_size = _stored_entry(view, entries[f"data/{key}"])
-    except (KeyError, ValueError, TypeError, UnicodeDecodeError, zipfile.BadZipFile, pickle.UnpicklingError,
-            struct.error, EOFError):
+    except (
+        KeyError,
+        ValueError,
+        TypeError,
+        UnicodeDecodeError,
+        zipfile.BadZipFile,
+        pickle.UnpicklingError,
+        struct.error,
+        EOFError,
+    ):
         return None
     last = rebuilt.storage_offset + sum((n - 1) * s for n, s in zip(rebuilt.size, rebuilt.stride))
     if data_size != numel * dtype.itemsize or min(rebuilt.stride, default=0) < 0:
@@ -180,8 +196,7 @@ def _is_row_major(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
-def read_box(fd: int, raw: RawTensor, offsets: tuple[int, ...], lengths: tuple[int, ...],
-             target: torch.Tensor) -> None:
+def read_box(fd: int, raw: RawTensor, offsets: tuple[int, ...], lengths: tuple[int, ...], target: torch.Tensor) -> None:
     """Copy the box (``offsets``, ``lengths``) of the stored tensor ``raw`` into ``target``."""
     if tuple(target.shape) != tuple(lengths):
         raise CheckpointingException(f"Read target shape {tuple(target.shape)} does not match the box {lengths}")
@@ -193,8 +208,13 @@ def read_box(fd: int, raw: RawTensor, offsets: tuple[int, ...], lengths: tuple[i
     span = 1 + sum((n - 1) * s for n, s in zip(lengths, raw.stride))
     itemsize = target.element_size()
     start = raw.data_offset + first * itemsize
-    direct = (span == target.numel() and _is_row_major(lengths, raw.stride) and target.dtype == raw.dtype
-              and target.device.type == "cpu" and target.is_contiguous())
+    direct = (
+        span == target.numel()
+        and _is_row_major(lengths, raw.stride)
+        and target.dtype == raw.dtype
+        and target.device.type == "cpu"
+        and target.is_contiguous()
+    )
     if direct:
         _pread_into(fd, target, start)
         return
@@ -214,7 +234,7 @@ def _read_file(path: Path, items: list[tuple[ReadItem, Any]], planner: LoadPlann
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        located: dict[Any, Optional[RawTensor]] = {}
+        located: dict[Any, RawTensor | None] = {}
         for req, info in items:
             if req.type != LoadItemType.BYTE_IO and req.storage_index not in located:
                 located[req.storage_index] = locate_tensor(fd, info.offset, info.length)
@@ -232,8 +252,9 @@ def _read_file(path: Path, items: list[tuple[ReadItem, Any]], planner: LoadPlann
     return left
 
 
-def read_items(root: Path, storage_data: dict, items: list[ReadItem], planner: LoadPlanner,
-               thread_count: int) -> list[ReadItem]:
+def read_items(
+    root: Path, storage_data: dict, items: list[ReadItem], planner: LoadPlanner, thread_count: int
+) -> list[ReadItem]:
     """Read what the fast path understands, files in parallel; returns the items DCP's reader must read."""
     left: list[ReadItem] = []
     per_file: dict[str, list[tuple[ReadItem, Any]]] = {}

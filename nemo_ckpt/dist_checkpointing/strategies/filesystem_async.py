@@ -21,19 +21,14 @@ import os
 import pickle
 import threading
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import (
-    CURRENT_DCP_VERSION,
-    SerializationFormat,
-    _StorageWriterTransforms,
-    _write_item,
-)
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -41,22 +36,22 @@ from torch.distributed.checkpoint.metadata import (
     StorageMeta,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ..._compat import StorageInfo, dcp_write_item, write_tensor_without_crc
 from ..core import CheckpointingException
 from .async_utils import AsyncRequest
 
 DCP_METADATA_FNAME = ".metadata"
-ItemData = Union[torch.Tensor, io.BytesIO]
+ItemData = torch.Tensor | io.BytesIO
 
 
 @dataclass
 class MetadataCache:
     """What the last save looked like: this rank's items and (on the coordinator) everyone's."""
 
-    local_items: Optional[list[WriteItem]] = None
+    local_items: list[WriteItem] | None = None
     all_items: list[list[WriteItem]] = field(default_factory=list)
     state_dict_metadata: dict = field(default_factory=dict)
 
@@ -101,8 +96,11 @@ class StagingBuffers:
             raise
         if not reuse:
             return staged, lambda: None
-        self._buffers = {index: tensor for index, tensor in staged.items()
-                         if isinstance(tensor, torch.Tensor) and tensor is not data[index]}
+        self._buffers = {
+            index: tensor
+            for index, tensor in staged.items()
+            if isinstance(tensor, torch.Tensor) and tensor is not data[index]
+        }
         return staged, self._release
 
     def _release(self) -> None:
@@ -142,8 +140,14 @@ def split_into_files(items: list[WriteItem], data: dict, bins: int) -> list[list
 class FileSystemWriterAsync:
     """One rank's part of a torch_dist save, split into prepare / write / finish (see module doc)."""
 
-    def __init__(self, checkpoint_dir: Path, thread_count: int = 1, cache: Optional[MetadataCache] = None,
-                 crc32: bool = True, staging: Optional[StagingBuffers] = None) -> None:
+    def __init__(
+        self,
+        checkpoint_dir: Path,
+        thread_count: int = 1,
+        cache: MetadataCache | None = None,
+        crc32: bool = True,
+        staging: StagingBuffers | None = None,
+    ) -> None:
         if thread_count < 1:
             raise ValueError(f"thread_count={thread_count}: use 1 or more writer threads (files) per rank")
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -182,7 +186,6 @@ class FileSystemWriterAsync:
             self.release_staging()
 
     def _write_file(self, name: str, items: list[WriteItem]) -> list[WriteResult]:
-        transforms = _StorageWriterTransforms()
         results = []
         with open(self.checkpoint_dir / name, "wb") as file:
             stream = DeferredErrorStream(file)
@@ -191,9 +194,9 @@ class FileSystemWriterAsync:
                 if isinstance(data, io.BytesIO):
                     data.seek(0)
                 if self.crc32 or isinstance(data, io.BytesIO):
-                    results.append(_write_item(transforms, stream, data, item, name, SerializationFormat.TORCH_SAVE))
+                    results.append(dcp_write_item(stream, data, item, name))
                 else:
-                    results.append(_write_tensor_without_crc(stream, data, item, name))
+                    results.append(_write_tensor_item_without_crc(stream, data, item, name))
             stream.raise_deferred_error()
             file.flush()
             os.fsync(file.fileno())
@@ -254,7 +257,7 @@ class DeferredErrorStream:
 
     def __init__(self, file: io.BufferedWriter) -> None:
         self.file = file
-        self.error: Optional[OSError] = None
+        self.error: OSError | None = None
         self.position = file.tell()
 
     def write(self, data) -> int:
@@ -278,16 +281,14 @@ class DeferredErrorStream:
             raise self.error
 
 
-def _write_tensor_without_crc(stream: DeferredErrorStream, tensor: torch.Tensor, item: WriteItem,
-                              name: str) -> WriteResult:
-    """``torch.save(tensor, stream)`` with zero CRC-32s (as with torch's ``compute_crc32=False``,
-    but for this call only), recorded as DCP's ``_write_item`` records it."""
+def _write_tensor_item_without_crc(
+    stream: DeferredErrorStream, tensor: torch.Tensor, item: WriteItem, name: str
+) -> WriteResult:
+    """``torch.save(tensor, stream)`` with zero CRC-32s, recorded as DCP records its items."""
     offset = stream.tell()
-    writer = torch._C.PyTorchFileWriter(stream, False, torch.serialization._get_storage_alignment())
-    torch.serialization._save(tensor, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
-    writer.write_end_of_file()
+    write_tensor_without_crc(stream, tensor)
     length = stream.tell() - offset
-    return WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
+    return WriteResult(index=item.index, size_in_bytes=length, storage_data=StorageInfo(name, offset, length))
 
 
 def build_state_dict_metadata(all_items: list[list[WriteItem]]) -> dict:
@@ -299,14 +300,23 @@ def build_state_dict_metadata(all_items: list[list[WriteItem]]) -> dict:
                 metadata[item.index.fqn] = BytesStorageMetadata()
                 continue
             tensor_data = item.tensor_data
-            entry = metadata.setdefault(item.index.fqn, TensorStorageMetadata(tensor_data.properties, tensor_data.size, []))
+            entry = metadata.setdefault(
+                item.index.fqn, TensorStorageMetadata(tensor_data.properties, tensor_data.size, [])
+            )
             entry.chunks.append(tensor_data.chunk)
     return metadata
 
 
-def save_request(items: list[WriteItem], data: dict, checkpoint_dir: Path, thread_count: int, copy_to_cpu: bool,
-                 cache: Optional[MetadataCache] = None, crc32: bool = True,
-                 staging: Optional[StagingBuffers] = None) -> AsyncRequest:
+def save_request(
+    items: list[WriteItem],
+    data: dict,
+    checkpoint_dir: Path,
+    thread_count: int,
+    copy_to_cpu: bool,
+    cache: MetadataCache | None = None,
+    crc32: bool = True,
+    staging: StagingBuffers | None = None,
+) -> AsyncRequest:
     """Stage the data now; the request writes it (``async_fn``) and finishes the DCP checkpoint (finalize)."""
     writer = FileSystemWriterAsync(checkpoint_dir, thread_count, cache, crc32, staging)
     writer.prepare_write_data(items, data, copy=copy_to_cpu)

@@ -8,8 +8,8 @@ broadcast to the others over the group (gloo on CPU, NCCL on GPU).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,23 +24,27 @@ from .base import LoadShardedStrategy, SaveShardedStrategy
 ShardDistribution = dict[ShardId, int]
 
 
-def _gather_in_group(local: object, group: Optional[dist.ProcessGroup]) -> list:
+def _gather_in_group(local: object, group: dist.ProcessGroup | None) -> list:
     gathered = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, local, group=group)
     return gathered
 
 
 def determine_main_replica_uniform_distribution(
-    sharded_state_dict: ShardedStateDict, group: Optional[dist.ProcessGroup] = None,
-    include: Optional[Callable[[ShardedBase], bool]] = None,
+    sharded_state_dict: ShardedStateDict,
+    group: dist.ProcessGroup | None = None,
+    include: Callable[[ShardedBase], bool] | None = None,
 ) -> ShardDistribution:
     """Collective over ``group``: which rank writes each shard this group is responsible for.
 
     The group saves a shard if one of its ranks holds the main replica; it is then written by the
     least loaded of the group's ranks that hold a copy. Shards ``include`` rejects are left out.
     """
-    local = [(shard_id(sh), shard_nbytes(sh), is_main_replica(sh.replica_id))
-             for sh in nested_values(sharded_state_dict) if include is None or include(sh)]
+    local = [
+        (shard_id(sh), shard_nbytes(sh), is_main_replica(sh.replica_id))
+        for sh in nested_values(sharded_state_dict)
+        if include is None or include(sh)
+    ]
     holders: dict[ShardId, list[int]] = {}
     sizes: dict[ShardId, int] = {}
     saved_here: set[ShardId] = set()
@@ -54,8 +58,9 @@ def determine_main_replica_uniform_distribution(
 
 
 def distribute_main_replicas_with_precomputed_distribution(
-    sharded_state_dict: ShardedStateDict, distribution: ShardDistribution,
-    include: Optional[Callable[[ShardedBase], bool]] = None,
+    sharded_state_dict: ShardedStateDict,
+    distribution: ShardDistribution,
+    include: Callable[[ShardedBase], bool] | None = None,
 ) -> None:
     """Make this rank's shards main replicas exactly where ``distribution`` assigns them to it (in place)."""
     my_rank = dist.get_rank()
@@ -66,7 +71,8 @@ def distribute_main_replicas_with_precomputed_distribution(
         if sid not in distribution and is_main_replica(sh.replica_id):
             raise CheckpointingException(
                 f"Shard {sid} is not in the cached save distribution: the state dict structure changed "
-                "between saves; do not cache the distribution (assume_constant_structure=False)")
+                "between saves; do not cache the distribution (assume_constant_structure=False)"
+            )
         sh.replica_id = 0 if distribution.get(sid) == my_rank else 1
 
 
@@ -80,15 +86,19 @@ class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
         include: only shards for which this returns True are redistributed (default: all).
     """
 
-    def __init__(self, strategy: SaveShardedStrategy, parallelization_group: Optional[dist.ProcessGroup] = None,
-                 do_cache_distribution: bool = False,
-                 include: Optional[Callable[[ShardedBase], bool]] = None) -> None:
+    def __init__(
+        self,
+        strategy: SaveShardedStrategy,
+        parallelization_group: dist.ProcessGroup | None = None,
+        do_cache_distribution: bool = False,
+        include: Callable[[ShardedBase], bool] | None = None,
+    ) -> None:
         super().__init__(strategy.backend, strategy.version)
         self.base_strategy = strategy
         self.parallelization_group = parallelization_group
         self.do_cache_distribution = do_cache_distribution
         self.include = include
-        self.cached_distribution: Optional[ShardDistribution] = None
+        self.cached_distribution: ShardDistribution | None = None
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -109,7 +119,8 @@ class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
         distribution = self.cached_distribution
         if distribution is None:
             distribution = determine_main_replica_uniform_distribution(
-                sharded_state_dict, self.parallelization_group, self.include)
+                sharded_state_dict, self.parallelization_group, self.include
+            )
             if self.do_cache_distribution:
                 self.cached_distribution = distribution
         distribute_main_replicas_with_precomputed_distribution(sharded_state_dict, distribution, self.include)
@@ -124,12 +135,16 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         do_cache_distribution: compute who reads what once and reuse it (constant structure).
     """
 
-    def __init__(self, strategy: LoadShardedStrategy, parallelization_group: Optional[dist.ProcessGroup] = None,
-                 do_cache_distribution: bool = False) -> None:
+    def __init__(
+        self,
+        strategy: LoadShardedStrategy,
+        parallelization_group: dist.ProcessGroup | None = None,
+        do_cache_distribution: bool = False,
+    ) -> None:
         self.base_strategy = strategy
         self.parallelization_group = parallelization_group
         self.do_cache_distribution = do_cache_distribution
-        self.cached_distribution: Optional[ShardDistribution] = None
+        self.cached_distribution: ShardDistribution | None = None
         self._scratch: dict[ShardId, Callable[[], torch.Tensor]] = {}
 
     @property
@@ -158,8 +173,9 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
                 self.cached_distribution = distribution
         my_rank = dist.get_rank()
         leaves = list(nested_values(sharded_state_dict))
-        deferred = [sh for sh in leaves
-                    if isinstance(sh, ShardedTensor) and distribution.get(shard_id(sh), my_rank) != my_rank]
+        deferred = [
+            sh for sh in leaves if isinstance(sh, ShardedTensor) and distribution.get(shard_id(sh), my_rank) != my_rank
+        ]
         deferred_ids = {id(sh) for sh in deferred}
         own = {i: sh for i, sh in enumerate(leaves) if id(sh) not in deferred_ids}
         loaded = self.base_strategy.load(own, checkpoint_dir)
@@ -181,12 +197,17 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
 
     def determine_loading_distribution(self, sharded_state_dict: ShardedStateDict) -> ShardDistribution:
         """Collective: for each tensor shard needed by 2+ ranks, the rank that reads it from storage."""
-        local = [(shard_id(sh), shard_nbytes(sh), sh.dtype, _data_shape(sh))
-                 for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor)]
+        local = [
+            (shard_id(sh), shard_nbytes(sh), sh.dtype, _data_shape(sh))
+            for sh in nested_values(sharded_state_dict)
+            if isinstance(sh, ShardedTensor)
+        ]
         holders: dict[ShardId, list[int]] = {}
         sizes: dict[ShardId, int] = {}
         self._scratch = {}
-        for rank, shards in zip(group_ranks(self.parallelization_group), _gather_in_group(local, self.parallelization_group)):
+        for rank, shards in zip(
+            group_ranks(self.parallelization_group), _gather_in_group(local, self.parallelization_group)
+        ):
             for sid, nbytes, dtype, shape in shards:
                 holders.setdefault(sid, []).append(rank)
                 sizes[sid] = nbytes

@@ -17,7 +17,7 @@ import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -47,14 +47,15 @@ from torch.futures import Future
 
 from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_outplace, nested_values
-from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, flat_range_boxes, is_main_replica
 from ..safe_globals import DCPMetadataUnpickler, UnsafeCheckpointError, safe_torch_load
 from .async_utils import AsyncRequest
-from .base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction, register_default_strategy
+from .base import LoadShardedStrategy, SaveShardedStrategy, load_device
 from .fast_reader import read_items
 from .filesystem_async import MetadataCache, StagingBuffers, save_request
 
 DCP_METADATA_FNAME = ".metadata"
+COMMON_STATE_KEY = "common_state"
 
 
 @dataclass
@@ -66,36 +67,6 @@ class _Chunk:
     tensor: torch.Tensor
 
 
-def _flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Split the flat range [start, stop) of a row-major ``shape`` into (offset, size) boxes.
-
-    The boxes come in flat order and each is contiguous in flat order, so box ``i`` is
-    the next ``prod(size_i)`` elements of the flat range.
-    """
-    if start >= stop:
-        return []
-    if len(shape) == 1:
-        return [((start,), (stop - start,))]
-    inner = math.prod(shape[1:])
-    first, first_rem = divmod(start, inner)
-    last, last_rem = divmod(stop, inner)
-
-    def in_row(row: int, lo: int, hi: int) -> list:
-        return [((row,) + o, (1,) + s) for o, s in _flat_range_boxes(shape[1:], lo, hi)]
-
-    if first == last:
-        return in_row(first, first_rem, last_rem)
-    boxes = []
-    if first_rem:
-        boxes += in_row(first, first_rem, inner)
-        first += 1
-    if last > first:
-        boxes.append(((first,) + (0,) * (len(shape) - 1), (last - first,) + tuple(shape[1:])))
-    if last_rem:
-        boxes += in_row(last, 0, last_rem)
-    return boxes
-
-
 def sharded_tensor_chunks(sh_ten: ShardedTensor) -> list[_Chunk]:
     """The global-tensor boxes covered by ``sh_ten``, each with a view into ``sh_ten.data``."""
     data = sh_ten.data
@@ -105,7 +76,7 @@ def sharded_tensor_chunks(sh_ten: ShardedTensor) -> list[_Chunk]:
         return [_Chunk(sh_ten.global_offset, (1,) * prepend + sh_ten.local_shape, view)]
     chunks, pos = [], 0
     rng = sh_ten.flattened_range
-    for box_offset, box_size in _flat_range_boxes(sh_ten.local_shape, rng.start, rng.stop):
+    for box_offset, box_size in flat_range_boxes(sh_ten.local_shape, rng.start, rng.stop):
         numel = math.prod(box_size)
         view = data[pos : pos + numel].view((1,) * prepend + box_size)
         offsets = sh_ten.global_offset[:prepend] + tuple(
@@ -125,10 +96,10 @@ def _serialize_objects(objs: list[Any]) -> io.BytesIO:
 
 def build_write_items(
     sharded_state_dict: ShardedStateDict,
-) -> tuple[list[WriteItem], dict[MetadataIndex, Union[torch.Tensor, io.BytesIO]]]:
+) -> tuple[list[WriteItem], dict[MetadataIndex, torch.Tensor | io.BytesIO]]:
     """DCP write items (and their data) for the main replicas in ``sharded_state_dict``."""
     items: list[WriteItem] = []
-    data: dict[MetadataIndex, Union[torch.Tensor, io.BytesIO]] = {}
+    data: dict[MetadataIndex, torch.Tensor | io.BytesIO] = {}
     objects: dict[str, list[Any]] = defaultdict(list)
     for sh_base in nested_values(sharded_state_dict):
         if not is_main_replica(sh_base.replica_id):
@@ -185,8 +156,15 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
             save, which copies into them instead of into new memory (see :class:`StagingBuffers`).
     """
 
-    def __init__(self, backend: str = "torch_dist", version: int = 1, thread_count: int = 2,
-                 cached_metadata: bool = False, crc32: bool = True, reuse_staging_buffers: bool = False) -> None:
+    def __init__(
+        self,
+        backend: str = "torch_dist",
+        version: int = 1,
+        thread_count: int = 2,
+        cached_metadata: bool = False,
+        crc32: bool = True,
+        reuse_staging_buffers: bool = False,
+    ) -> None:
         super().__init__(backend, version)
         self.thread_count = thread_count
         self.cached_metadata = cached_metadata
@@ -200,14 +178,16 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
         items, data = build_write_items(sharded_state_dict)
-        save_request(items, data, checkpoint_dir, self.thread_count, False, self._metadata_cache,
-                     self.crc32, self._staging).execute_sync()
+        save_request(
+            items, data, checkpoint_dir, self.thread_count, False, self._metadata_cache, self.crc32, self._staging
+        ).execute_sync()
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> AsyncRequest:
         """Copy this rank's main replicas to CPU now; the request writes them and finishes the checkpoint."""
         items, data = build_write_items(sharded_state_dict)
-        return save_request(items, data, checkpoint_dir, self.thread_count, True, self._metadata_cache, self.crc32,
-                            self._staging)
+        return save_request(
+            items, data, checkpoint_dir, self.thread_count, True, self._metadata_cache, self.crc32, self._staging
+        )
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -215,11 +195,11 @@ class SafeFileSystemReader(FileSystemReader):
     missing or corrupt file clearly and reads tensors straight into their destination
     (:mod:`.fast_reader`; DCP's own reader for anything else), ``thread_count`` files at a time."""
 
-    def __init__(self, path: Union[str, os.PathLike], allow_unsafe_pickle: bool = False, thread_count: int = 2) -> None:
+    def __init__(self, path: str | os.PathLike, allow_unsafe_pickle: bool = False, thread_count: int = 2) -> None:
         super().__init__(path)
         self.allow_unsafe_pickle = allow_unsafe_pickle
         self.thread_count = thread_count
-        self._metadata: Optional[Metadata] = None
+        self._metadata: Metadata | None = None
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         left = read_items(self.path, self.storage_data, plan.items, planner, self.thread_count)
@@ -234,9 +214,7 @@ class SafeFileSystemReader(FileSystemReader):
             return self._metadata
         path = os.path.join(self.path, DCP_METADATA_FNAME)
         if not os.path.isfile(path):
-            raise CheckpointingException(
-                f"{path} is missing: {self.path} is not a complete torch_dist checkpoint"
-            )
+            raise CheckpointingException(f"{path} is missing: {self.path} is not a complete torch_dist checkpoint")
         try:
             with open(path, "rb") as f:
                 if self.allow_unsafe_pickle:
@@ -263,7 +241,9 @@ class SafeFileSystemReader(FileSystemReader):
 class _ChunkLoadPlanner(DefaultLoadPlanner):
     """Loads precomputed read items into local chunk views and ShardedObject slots."""
 
-    def __init__(self, items: list[ReadItem], chunks: dict[str, list[_Chunk]], checkpoint_dir: Path, allow_unsafe_pickle: bool) -> None:
+    def __init__(
+        self, items: list[ReadItem], chunks: dict[str, list[_Chunk]], checkpoint_dir: Path, allow_unsafe_pickle: bool
+    ) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._items = items
         self._chunks = chunks
@@ -271,7 +251,7 @@ class _ChunkLoadPlanner(DefaultLoadPlanner):
         self._allow_unsafe_pickle = allow_unsafe_pickle
         self.loaded_objects: dict[str, Any] = {}
 
-    def set_up_planner(self, state_dict: Any, metadata: Optional[Metadata] = None, is_coordinator: bool = False) -> None:
+    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         self.state_dict = {}
         self.metadata = metadata
         self.is_coordinator = is_coordinator
@@ -330,23 +310,22 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         allow_unsafe_pickle: unpickle ShardedObjects and ``.metadata`` without the
             allow-list. Only for trusted checkpoints.
         thread_count: files read at the same time by this rank.
+        load_directly_on_device: tensors without template data are allocated on the current accelerator
+            (if any) instead of CPU; tensors with template data are loaded into it, wherever it lives.
     """
 
-    def __init__(self, allow_unsafe_pickle: bool = False, thread_count: int = 2) -> None:
+    backend = "torch_dist"
+
+    def __init__(
+        self, allow_unsafe_pickle: bool = False, thread_count: int = 2, load_directly_on_device: bool = False
+    ) -> None:
         self.allow_unsafe_pickle = allow_unsafe_pickle
         self.thread_count = thread_count
+        self.load_directly_on_device = load_directly_on_device
 
     @property
     def can_handle_sharded_objects(self) -> bool:
         return True
-
-    def check_backend_compatibility(self, loaded_backend: str) -> None:
-        if loaded_backend != "torch_dist":
-            raise CheckpointingException(f"{self.__class__.__name__} cannot load backend '{loaded_backend}'")
-
-    def check_version_compatibility(self, loaded_version: int) -> None:
-        if loaded_version != 1:
-            raise CheckpointingException(f"{self.__class__.__name__} cannot load torch_dist version {loaded_version}")
 
     def _reader(self, checkpoint_dir: Path) -> SafeFileSystemReader:
         return SafeFileSystemReader(checkpoint_dir, self.allow_unsafe_pickle, self.thread_count)
@@ -361,7 +340,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             if isinstance(sh_base, ShardedObject):
                 objects[sh_base.unique_key].append(sh_base)
             elif isinstance(sh_base, ShardedTensor):
-                _prepare_for_load(sh_base)
+                _prepare_for_load(sh_base, load_device(self.load_directly_on_device))
                 chunks[sh_base.key] += sharded_tensor_chunks(sh_base)
                 by_key.setdefault(sh_base.key, sh_base)
             else:
@@ -373,9 +352,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         for unique_key in objects:
             md = metadata.state_dict_metadata.get(unique_key)
             if not isinstance(md, BytesStorageMetadata):
-                raise CheckpointingException(
-                    f"ShardedObject '{unique_key}' not found in checkpoint {checkpoint_dir}"
-                )
+                raise CheckpointingException(f"ShardedObject '{unique_key}' not found in checkpoint {checkpoint_dir}")
             index = MetadataIndex(unique_key)
             zero = torch.Size([0])
             items.append(ReadItem(LoadItemType.BYTE_IO, index, zero, index, zero, zero))
@@ -414,10 +391,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         return sharded_metadata
 
 
-def _prepare_for_load(sh_ten: ShardedTensor) -> None:
+def _prepare_for_load(sh_ten: ShardedTensor, device: torch.device) -> None:
     """Allocate missing data; zero it where the checkpoint may not cover everything."""
     if sh_ten.data is None:
-        sh_ten.init_data("cpu", init_fn=torch.zeros if sh_ten.allow_shape_mismatch else torch.empty)
+        sh_ten.init_data(device, init_fn=torch.zeros if sh_ten.allow_shape_mismatch else torch.empty)
     else:
         sh_ten.data = sh_ten.data.detach()
         if sh_ten.allow_shape_mismatch:
@@ -429,9 +406,9 @@ def _tensor_read_items(
 ) -> list[ReadItem]:
     md = metadata.state_dict_metadata.get(key)
     if md is None:
+        stored = (k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata))
         raise CheckpointingException(
-            f"Key '{key}' not found in checkpoint {checkpoint_dir}. "
-            f"Stored tensor keys: {_describe_keys(k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata))}"
+            f"Key '{key}' not found in checkpoint {checkpoint_dir}. Stored tensor keys: {_describe_keys(stored)}"
         )
     if not isinstance(md, TensorStorageMetadata):
         raise CheckpointingException(f"Key '{key}' in checkpoint {checkpoint_dir} is an object, not a tensor")
@@ -485,9 +462,3 @@ def load_common_state_object(checkpoint_dir: Path, allow_unsafe_pickle: bool = F
     strategy = TorchDistLoadShardedStrategy(allow_unsafe_pickle)
     sh_obj = ShardedObject(COMMON_STATE_KEY, None, (1,), (0,))
     return strategy.load({"common": sh_obj}, checkpoint_dir)["common"]
-
-
-COMMON_STATE_KEY = "common_state"
-
-register_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1, TorchDistLoadShardedStrategy())
-register_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1, TorchDistSaveShardedStrategy("torch_dist", 1))

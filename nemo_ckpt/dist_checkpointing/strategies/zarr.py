@@ -18,7 +18,7 @@ import torch
 from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_outplace
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict
-from .base import LoadShardedStrategy, StrategyAction, register_default_strategy
+from .base import LoadShardedStrategy, load_device
 
 ZARR_METADATA_FNAME = ".zarray"
 BFLOAT16 = "bfloat16"
@@ -67,11 +67,6 @@ def _to_torch(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
-def _load_device(load_directly_on_device: bool) -> torch.device:
-    accelerator = torch.accelerator.current_accelerator() if load_directly_on_device else None
-    return accelerator if accelerator is not None else torch.device("cpu")
-
-
 def _pad_to_local_shape(x: torch.Tensor, sh_ten: ShardedTensor) -> torch.Tensor:
     """Zero-pad a shard cut short by a smaller stored global shape (``allow_shape_mismatch``)."""
     padded = torch.zeros(sh_ten.local_shape, dtype=x.dtype)
@@ -87,16 +82,10 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             instead of CPU; tensors with template data are loaded into it, wherever it lives.
     """
 
+    backend = "zarr"
+
     def __init__(self, load_directly_on_device: bool = False) -> None:
         self.load_directly_on_device = load_directly_on_device
-
-    def check_backend_compatibility(self, loaded_backend: str) -> None:
-        if loaded_backend != "zarr":
-            raise CheckpointingException(f"{self.__class__.__name__} cannot load backend '{loaded_backend}'")
-
-    def check_version_compatibility(self, loaded_version: int) -> None:
-        if loaded_version != 1:
-            raise CheckpointingException(f"{self.__class__.__name__} cannot load zarr version {loaded_version}")
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
         def load_one(sh_ten: Any) -> torch.Tensor:
@@ -109,11 +98,14 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
     def _load_tensor(self, sh_ten: ShardedTensor, checkpoint_dir: Path) -> torch.Tensor:
         array, dtype = _open_array(checkpoint_dir / sh_ten.key)
         if tuple(array.shape) != sh_ten.global_shape and not sh_ten.allow_shape_mismatch:
-            raise CheckpointingException(f"Global shape mismatch for key '{sh_ten.key}' in {checkpoint_dir}: "
-                                         f"stored {tuple(array.shape)}, requested {sh_ten.global_shape}")
+            raise CheckpointingException(
+                f"Global shape mismatch for key '{sh_ten.key}' in {checkpoint_dir}: "
+                f"stored {tuple(array.shape)}, requested {sh_ten.global_shape}"
+            )
         if dtype != sh_ten.dtype:
-            raise CheckpointingException(f"Dtype mismatch for key '{sh_ten.key}' in {checkpoint_dir}: "
-                                         f"stored {dtype}, requested {sh_ten.dtype}")
+            raise CheckpointingException(
+                f"Dtype mismatch for key '{sh_ten.key}' in {checkpoint_dir}: stored {dtype}, requested {sh_ten.dtype}"
+            )
         x = _to_torch(array[sh_ten.global_slice()], dtype)
         if tuple(x.shape) != sh_ten.local_shape:
             x = _pad_to_local_shape(x, sh_ten)
@@ -121,7 +113,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             x = x.flatten()[sh_ten.flattened_range]
         if sh_ten.data is not None:
             return sh_ten.data.detach().copy_(x)
-        return x.to(_load_device(self.load_directly_on_device))
+        return x.to(load_device(self.load_directly_on_device))
 
     def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
         metadata = {}
@@ -131,6 +123,3 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
                 empty = torch.empty(tuple(array.shape), dtype=dtype, device="meta")
                 metadata[subdir.name] = ShardedTensor.from_rank_offsets(subdir.name, empty).without_data()
         return metadata
-
-
-register_default_strategy(StrategyAction.LOAD_SHARDED, "zarr", 1, ZarrLoadShardedStrategy())

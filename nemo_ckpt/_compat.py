@@ -1,0 +1,120 @@
+"""Every private API of torch, Lightning and NeMo-Run that nemo_ckpt uses, behind one version guard.
+
+Nothing else in the package imports a private name of another library. Each entry has a canary test in
+`tests/test_compat.py`; after upgrading torch, Lightning or NeMo-Run, run it first: a failing canary names the
+entry to port. Versions outside the tested range raise at import with that instruction.
+"""
+
+import io
+import pickle
+from collections.abc import Callable, Iterable
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import (
+    SerializationFormat,
+    _StorageInfo,
+    _StorageWriterTransforms,
+    _write_item,
+)
+from torch.distributed.checkpoint.planner import WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+TESTED = {"torch": ("2.13.",), "lightning": ("2.6.",), "nemo_run": ("0.11.",), "numpy": ("1.", "2.")}
+
+
+def _check_versions() -> None:
+    found = {name: version(name) for name in TESTED}
+    untested = {name: found[name] for name in TESTED if not found[name].startswith(TESTED[name])}
+    if untested:
+        raise ImportError(
+            f"nemo_ckpt uses private APIs checked against {TESTED} only, found {untested}; run "
+            "`pytest tests/test_compat.py` and port the failing entries of nemo_ckpt/_compat.py"
+        )
+
+
+_check_versions()
+
+__all__ = [
+    "StorageInfo",
+    "dcp_write_item",
+    "dtensor_local_shape_and_offset",
+    "enable_async_tensor_parallel",
+    "is_strided_shard",
+    "lightning_ddp_kwargs",
+    "nemo_run_experiment_dir",
+    "numpy_array_reconstructor",
+    "optimizers_to_device",
+    "storage_type_dtypes",
+    "write_tensor_without_crc",
+]
+
+StorageInfo = _StorageInfo
+"""DCP's record of where an item lies in a `.distcp` file (relative path, offset, length)."""
+
+
+def optimizers_to_device(optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> None:
+    """Move the state of Lightning's optimizers to a device (what `DDPStrategy.setup` does)."""
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    _optimizers_to_device(optimizers, device)
+
+
+def dcp_write_item(stream: io.IOBase, data: torch.Tensor | io.BytesIO, item: WriteItem, name: str) -> WriteResult:
+    """Append one DCP item to `stream` exactly as `FileSystemWriter` does (a `torch.save` zip, with CRC-32s)."""
+    return _write_item(_StorageWriterTransforms(), stream, data, item, name, SerializationFormat.TORCH_SAVE)
+
+
+def write_tensor_without_crc(stream: io.IOBase, tensor: torch.Tensor) -> None:
+    """`torch.save(tensor, stream)` with zero CRC-32s, for this call only (torch's `compute_crc32=False` is a
+    process-wide setting)."""
+    writer = torch._C.PyTorchFileWriter(stream, False, torch.serialization._get_storage_alignment())
+    torch.serialization._save(tensor, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
+
+
+def storage_type_dtypes() -> dict[str, torch.dtype]:
+    """The dtype of each legacy storage class name a `torch.save` pickle may name (`FloatStorage`, ...)."""
+    return torch.storage._storage_type_to_dtype_map()
+
+
+def dtensor_local_shape_and_offset(tensor: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's local shard shape and its offset in the global tensor, for any placements."""
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(shape), tuple(offset)
+
+
+def is_strided_shard(placement: Placement) -> bool:
+    """Whether `placement` is the strided `Shard` torch records for FSDP over a TP-sharded dim."""
+    return isinstance(placement, _StridedShard)
+
+
+def enable_async_tensor_parallel(group_name: str) -> None:
+    """Torch async TP (CUDA): Inductor fuses TP collectives with matmuls, on symmetric memory of the group."""
+    from torch._inductor import config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(group_name)
+
+
+def numpy_array_reconstructor() -> Callable[..., Any]:
+    """The function numpy's pickles of arrays name (`numpy._core.multiarray._reconstruct`)."""
+    from numpy._core.multiarray import _reconstruct
+
+    return _reconstruct
+
+
+def nemo_run_experiment_dir(experiment: Any) -> Path:
+    """The directory a NeMo-Run experiment writes its scripts to."""
+    return Path(experiment._exp_dir)
+
+
+def lightning_ddp_kwargs(strategy: Any) -> dict[str, Any]:
+    """The keyword arguments Lightning's `DDPStrategy` keeps for `DistributedDataParallel`."""
+    return strategy._ddp_kwargs

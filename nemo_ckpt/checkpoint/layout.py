@@ -1,0 +1,43 @@
+"""Every name of the on-disk checkpoint layout, in one place.
+
+<checkpoint dir>/                    e.g. nemo_experiments/<name>/checkpoints
+    checkpoints.json                 the manifest: every checkpoint and its state (manifest.py)
+    <name>/                          one checkpoint, visible only once complete
+        weights/                     the distributed checkpoint (nemo_ckpt.dist_checkpointing)
+            metadata.json            written last: the checkpoint is complete once it exists
+        context/<model|data>.json    the Fiddle configs its model and data were built from
+    <name>-last -> <name>            symlink to the newest checkpoint
+    .tmp-<name>/                     a save in progress (or a link being replaced)
+    .trash-<name>/                   a deletion in progress
+"""
+
+from pathlib import Path
+
+from nemo_ckpt.dist_checkpointing.core import CONFIG_FNAME
+
+MANIFEST_NAME = "checkpoints.json"
+WEIGHTS_DIR = "weights"
+CONTEXT_DIR = "context"
+LAST_SUFFIX = "-last"
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+
+
+def weights_dir(checkpoint: str | Path) -> Path:
+    """The distributed checkpoint inside a training checkpoint directory."""
+    return Path(checkpoint) / WEIGHTS_DIR
+
+
+def context_dir(checkpoint: str | Path) -> Path:
+    """The stored configs inside a training checkpoint directory."""
+    return Path(checkpoint) / CONTEXT_DIR
+
+
+def completion_marker(checkpoint: str | Path) -> Path:
+    """The file written last by a save: `weights/metadata.json`."""
+    return weights_dir(checkpoint) / CONFIG_FNAME
+
+
+def is_complete(checkpoint: str | Path) -> bool:
+    """A checkpoint is complete once its `weights/metadata.json` is written, which happens last."""
+    return completion_marker(checkpoint).is_file()

@@ -1,0 +1,104 @@
+"""The GPT's tensor and sequence parallel plan on DTensor (Megatron's column/row-parallel linears).
+
+The plan follows Megatron-Core and torchtitan: q/k/v and gate/up projections are column-parallel (weights
+`Shard(0)` over `tp`), o/down projections row-parallel (`Shard(1)`), the embedding is vocab-parallel and the
+output layer column-parallel with its logits gathered. With `sequence_parallel`, norms run on sequence shards
+(`SequenceParallel`) and activations between blocks stay sharded on the sequence dimension; without it, norms
+hold `Replicate` weights. Every parameter becomes a DTensor on the `tp` mesh, so FSDP (`fully_shard` on the
+`dp` mesh) composes on top and gradient clipping sees one mesh.
+
+    mesh = build_device_mesh("cpu", tensor_model_parallel_size=2)
+    parallelize_gpt(model, mesh["tp"], sequence_parallel=True)
+"""
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from nemo_ckpt.models.gpt.model import GPT, GPTConfig
+from nemo_ckpt.parallel.tensor_parallel import ReplicateParallel
+
+
+def validate_tensor_parallel(config: GPTConfig, tensor_model_parallel_size: int, sequence_parallel: bool) -> None:
+    """Raise one clear error if `config` cannot be split `tensor_model_parallel_size` ways."""
+    tp = tensor_model_parallel_size
+    if tp < 1:
+        raise ValueError(f"tensor_model_parallel_size={tp} must be >= 1")
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1; set sequence_parallel=False")
+    divisible = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_query_groups": config.num_query_groups,
+        "ffn_hidden_size": config.ffn_hidden_size,
+        "vocab_size": config.vocab_size,
+    }
+    if sequence_parallel:
+        divisible["seq_length"] = config.seq_length
+    for name, value in divisible.items():
+        if value % tp:
+            raise ValueError(
+                f"GPTConfig.{name}={value} is not divisible by tensor_model_parallel_size={tp}: each tensor-parallel "
+                f"rank holds {name} / {tp}; choose a tensor_model_parallel_size that divides it"
+            )
+
+
+def tensor_parallel_plan(config: GPTConfig, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Parallel styles for `GPT`'s modules, keyed by module path (`*` matches each layer)."""
+    activations = Shard(1) if sequence_parallel else Replicate()
+
+    def norm(use_local_output: bool = False) -> ParallelStyle:
+        if sequence_parallel:
+            return SequenceParallel(use_local_output=use_local_output)
+        return ReplicateParallel(use_local_output=use_local_output)
+
+    def gather_input(num_inputs: int) -> ParallelStyle:
+        return PrepareModuleInput(
+            input_layouts=(activations,) + (None,) * (num_inputs - 1),
+            desired_input_layouts=(Replicate(),) + (None,) * (num_inputs - 1),
+            use_local_output=True,
+        )
+
+    plan: dict[str, ParallelStyle] = {
+        "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=activations),
+        "layers.*.input_layernorm": norm(),
+        "layers.*.self_attention": gather_input(num_inputs=3),
+        "layers.*.self_attention.q_proj": ColwiseParallel(),
+        "layers.*.self_attention.k_proj": ColwiseParallel(),
+        "layers.*.self_attention.v_proj": ColwiseParallel(),
+        "layers.*.self_attention.o_proj": RowwiseParallel(output_layouts=activations),
+        "layers.*.pre_mlp_layernorm": norm(),
+        "layers.*.mlp": gather_input(num_inputs=1),
+        "layers.*.mlp.gate_proj": ColwiseParallel(),
+        "layers.*.mlp.up_proj": ColwiseParallel(),
+        "layers.*.mlp.down_proj": RowwiseParallel(output_layouts=activations),
+    }
+    if config.share_embeddings_and_output_weights:
+        # logits = final_norm(x) @ embedding.weight.T: DTensor math gives vocab-sharded logits, gathered below
+        plan["final_layernorm"] = norm(use_local_output=False)
+    else:
+        plan["final_layernorm"] = norm()
+        plan["output_layer"] = ColwiseParallel(input_layouts=activations, output_layouts=Replicate())
+    return plan
+
+
+def parallelize_gpt(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> GPT:
+    """Apply tensor (and sequence) parallelism to `model` in place; logits come out whole on every tp rank.
+
+    Attention runs on `num_attention_heads / tp` local heads and `num_query_groups / tp` local groups. Call it
+    on identically initialized replicas (same seed), before `fully_shard` on the `dp` mesh.
+    """
+    validate_tensor_parallel(model.config, tp_mesh.size(), sequence_parallel)
+    parallelize_module(model, tp_mesh, tensor_parallel_plan(model.config, sequence_parallel))
+    if model.config.share_embeddings_and_output_weights:
+        parallelize_module(
+            model, tp_mesh, PrepareModuleOutput(output_layouts=Shard(-1), desired_output_layouts=Replicate())
+        )
+    return model

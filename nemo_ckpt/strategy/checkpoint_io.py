@@ -1,0 +1,188 @@
+"""`DistCheckpointIO`: Lightning's CheckpointIO on `nemo_ckpt.dist_checkpointing`, with NeMo's speed options."""
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from torch.distributed import ProcessGroup
+
+from nemo_ckpt import dist_checkpointing
+from nemo_ckpt.checkpoint.layout import weights_dir
+from nemo_ckpt.dist_checkpointing.mapping import ShardedBase
+from nemo_ckpt.dist_checkpointing.serialization import get_default_load_sharded_strategy
+from nemo_ckpt.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from nemo_ckpt.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+from nemo_ckpt.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from nemo_ckpt.dist_checkpointing.validation import parse_strict_flag
+
+OPTIMIZER_KEY_PREFIX = "optimizer."
+
+
+def _is_model_shard(sh: ShardedBase) -> bool:
+    return not sh.key.startswith(OPTIMIZER_KEY_PREFIX)
+
+
+def _is_optimizer_shard(sh: ShardedBase) -> bool:
+    return sh.key.startswith(OPTIMIZER_KEY_PREFIX)
+
+
+@dataclass(frozen=True)
+class DistCheckpointOptions:
+    """How checkpoints are written and read: NeMo's `MegatronStrategy` options, under the same names.
+
+    save_ckpt_format: 'torch_dist' (saving 'zarr' is not supported; zarr checkpoints still load).
+    ckpt_async_save: stage to CPU and write in the background; the checkpoint is completed (metadata.json,
+        then `finalize_fn`) by `DistCheckpointIO.maybe_finalize`, which the strategy calls every step and at
+        teardown.
+    ckpt_parallel_save: spread the writing of replicated model shards evenly over the ranks.
+    ckpt_parallel_save_within_dp: spread it within the data-parallel group only (set by the strategy with
+        `set_data_parallel_group`; the world until then).
+    ckpt_parallel_load: read each replicated shard once and broadcast it within the data-parallel group.
+    ckpt_torch_dist_multiproc: writer threads (files) per rank; None: 2, as in NeMo and Megatron-Core.
+    ckpt_assume_constant_structure: validate the sharding and compute the save distribution once, cache the
+        checkpoint metadata between saves, and keep the CPU copies of async saves for the next save (one copy
+        of the rank's state stays in host memory; copying into it is several times faster than into new
+        memory).
+    ckpt_parallel_save_optim: spread the writing of the optimizer state too.
+    ckpt_load_directly_on_device: loaded tensors without a destination go to the current accelerator (loads
+        into the template's tensors go there wherever they are).
+    ckpt_load_strictness: a `StrictHandling` value for key mismatches.
+    """
+
+    save_ckpt_format: str = "torch_dist"
+    ckpt_async_save: bool = False
+    ckpt_parallel_save: bool = False
+    ckpt_parallel_save_within_dp: bool = False
+    ckpt_parallel_load: bool = False
+    ckpt_torch_dist_multiproc: int | None = None
+    ckpt_assume_constant_structure: bool = False
+    ckpt_parallel_save_optim: bool = False
+    ckpt_load_directly_on_device: bool = False
+    ckpt_load_strictness: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.save_ckpt_format != "torch_dist":
+            raise ValueError(
+                f"MegatronStrategy(save_ckpt_format={self.save_ckpt_format!r}): only 'torch_dist' can "
+                "be saved ('zarr' is deprecated; zarr checkpoints still load, convert them with "
+                "`python -m nemo_ckpt.dist_checkpointing.converter`)"
+            )
+        if self.ckpt_torch_dist_multiproc is not None and self.ckpt_torch_dist_multiproc < 1:
+            raise ValueError(
+                f"MegatronStrategy(ckpt_torch_dist_multiproc={self.ckpt_torch_dist_multiproc}): use 1 "
+                "or more writers per rank, or None for the default (2)"
+            )
+        if self.ckpt_load_strictness is not None:
+            parse_strict_flag(self.ckpt_load_strictness)
+
+
+class DistCheckpointIO(CheckpointIO):
+    """Saves a sharded checkpoint dict on every rank into `<path>/weights`, loads it back into a template,
+    as `options` (a `DistCheckpointOptions`) say."""
+
+    def __init__(self, options: DistCheckpointOptions | None = None) -> None:
+        self.options = options or DistCheckpointOptions()
+        self.async_calls = AsyncCallsQueue() if self.options.ckpt_async_save else None
+        self.data_parallel_group: ProcessGroup | None = None
+        self._save_strategy = self._build_save_strategy()
+        self._validated_sharding = False
+
+    def set_data_parallel_group(self, group: ProcessGroup | None) -> None:
+        """The ranks that hold replicas of the same shards (None: the world); call before the first save."""
+        self.data_parallel_group = group
+        self._save_strategy = self._build_save_strategy()
+
+    def _build_save_strategy(self) -> Any:
+        options = self.options
+        # crc32=False: torch.load (so DCP, Megatron-Core and our reader) never checks these CRCs, and computing
+        # them is most of a save's CPU time; the files stay readable by all three.
+        strategy = TorchDistSaveShardedStrategy(
+            "torch_dist",
+            1,
+            thread_count=options.ckpt_torch_dist_multiproc or 2,
+            cached_metadata=options.ckpt_assume_constant_structure,
+            crc32=False,
+            reuse_staging_buffers=options.ckpt_assume_constant_structure,
+        )
+        if options.ckpt_parallel_save and options.ckpt_parallel_save_optim:
+            include = None
+        elif options.ckpt_parallel_save:
+            include = _is_model_shard
+        elif options.ckpt_parallel_save_optim:
+            include = _is_optimizer_shard
+        else:
+            return strategy
+        group = self.data_parallel_group if options.ckpt_parallel_save_within_dp else None
+        return FullyParallelSaveStrategyWrapper(
+            strategy,
+            parallelization_group=group,
+            do_cache_distribution=options.ckpt_assume_constant_structure,
+            include=include,
+        )
+
+    def _load_strategy(self, source: Path) -> Any:
+        strategy = get_default_load_sharded_strategy(source)
+        strategy.load_directly_on_device = self.options.ckpt_load_directly_on_device
+        if self.options.ckpt_parallel_load:
+            strategy = FullyParallelLoadStrategyWrapper(strategy, parallelization_group=self.data_parallel_group)
+        return strategy
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
+        """Collective save. `storage_options={"finalize_fn": fn}`: `fn()` runs on every rank, in save order,
+        once the checkpoint is complete on all ranks (for async saves: in a later `maybe_finalize`)."""
+        target = weights_dir(path)
+        target.mkdir(parents=True, exist_ok=True)
+        finalize_fn = (storage_options or {}).get("finalize_fn")
+        validate = not (self.options.ckpt_assume_constant_structure and self._validated_sharding)
+        self._validated_sharding = True
+        if self.async_calls is None:
+            dist_checkpointing.save(checkpoint, target, self._save_strategy, validate_access_integrity=validate)
+            if finalize_fn is not None:
+                finalize_fn()
+            return
+        self.maybe_finalize(blocking=True)  # one save in flight at a time: each holds a CPU copy of the state
+        request = dist_checkpointing.save(
+            checkpoint, target, self._save_strategy, validate_access_integrity=validate, async_sharded_save=True
+        )
+        if finalize_fn is not None:
+            request.add_finalize_fn(finalize_fn)
+        self.async_calls.schedule_async_request(request)
+
+    def maybe_finalize(self, blocking: bool = False) -> list[int]:
+        """Complete the async saves that every rank has finished writing (all of them if `blocking`).
+
+        Collective when saves are in flight; returns the finalized call indices.
+        """
+        if self.async_calls is None or self.async_calls.get_num_unfinalized_calls() == 0:
+            return []
+        return self.async_calls.maybe_finalize_async_calls(blocking=blocking)
+
+    def load_checkpoint(
+        self,
+        path: str | Path,
+        map_location: Any = None,
+        sharded_state_dict: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        if sharded_state_dict is None:
+            raise ValueError("DistCheckpointIO.load_checkpoint needs `sharded_state_dict`, the template to load into")
+        source = weights_dir(path)
+        strictness = self.options.ckpt_load_strictness
+        strict = {} if strictness is None else {"strict": strictness}
+        return dist_checkpointing.load(
+            sharded_state_dict, source, sharded_strategy=self._load_strategy(source), **strict
+        )
+
+    def remove_checkpoint(self, path: str | Path) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+    def teardown(self) -> None:
+        """Finish every async save in flight and stop the background writer."""
+        if self.async_calls is not None:
+            self.async_calls.close()
+            self.async_calls = AsyncCallsQueue()

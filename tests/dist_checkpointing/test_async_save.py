@@ -1,0 +1,98 @@
+"""Async save: staged on CPU at the call, written in the background, completed (metadata.json) at finalize;
+a background failure on any rank raises on every rank at finalize."""
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nemo_ckpt import dist_checkpointing as dc
+from nemo_ckpt.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+from nemo_ckpt.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from tests.helpers.distributed import run_distributed
+
+
+def full(i: int) -> torch.Tensor:
+    return torch.arange(8 * 16, dtype=torch.float32).view(8, 16) * (i + 1)
+
+
+def state(rank: int, world_size: int, template: bool = False) -> dict:
+    return {
+        f"w{i}": dc.ShardedTensor.from_rank_offsets(
+            f"w{i}",
+            torch.zeros(8 // world_size, 16) if template else full(i).chunk(world_size)[rank].clone(),
+            (0, rank, world_size),
+        )
+        for i in range(3)
+    }
+
+
+def _async_roundtrip(rank: int, world_size: int, directory: str) -> dict:
+    directory = Path(directory)
+    queue = AsyncCallsQueue()
+    sharded = state(rank, world_size)
+    request = dc.save(sharded, directory, TorchDistSaveShardedStrategy(), async_sharded_save=True)
+    for sh_ten in sharded.values():
+        sh_ten.data.add_(1000)  # training goes on: the checkpoint keeps the values at the save call
+    queue.schedule_async_request(request)
+    complete_before_finalize = (directory / "metadata.json").exists()
+    finalized = queue.maybe_finalize_async_calls(blocking=True)
+    loaded = dc.load(state(rank, world_size, template=True), directory)
+    correct = all(torch.equal(loaded[f"w{i}"], full(i).chunk(world_size)[rank]) for i in range(3))
+    queue.close()
+    return {"early": complete_before_finalize, "finalized": finalized, "correct": correct}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_async_save_completes_at_finalize_with_values_of_the_call(tmp_path, world_size):
+    for result in run_distributed(_async_roundtrip, world_size, str(tmp_path)):
+        assert result == {"early": False, "finalized": [0], "correct": True}
+
+
+def _failure_on_one_rank(rank: int, world_size: int, directory: str) -> str:
+    directory = Path(directory)
+    queue = AsyncCallsQueue()
+    gate = threading.Event()
+    queue.schedule_async_request(AsyncRequest(gate.wait, (), []))  # holds the background worker
+    request = dc.save(state(rank, world_size), directory, TorchDistSaveShardedStrategy(), async_sharded_save=True)
+    queue.schedule_async_request(request)
+    if rank == 1:
+        (directory / "__1_0.distcp").mkdir()  # rank 1's data file cannot be written
+    not_yet = queue.maybe_finalize_async_calls(blocking=False)
+    gate.set()
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+    except dc.CheckpointingException as error:
+        message = str(error)
+    else:
+        message = "no error"
+    dist.barrier()
+    complete = (directory / "metadata.json").exists()
+    queue.close()
+    return f"{not_yet} {complete} {message}"
+
+
+def test_background_failure_raises_on_every_rank_and_leaves_checkpoint_incomplete(tmp_path):
+    rank0, rank1 = run_distributed(_failure_on_one_rank, 2, str(tmp_path))
+    assert rank0 == "[] False Async checkpoint save #1 failed on another rank"
+    assert rank1.startswith("[] False Async checkpoint save #1 failed: IsADirectoryError")
+
+
+def test_finalize_runs_in_order_and_close_waits_for_all():
+    queue = AsyncCallsQueue()
+    order = []
+    for idx in range(3):
+        queue.schedule_async_request(
+            AsyncRequest(order.append, (f"write{idx}",), [lambda i=idx: order.append(f"final{i}")])
+        )
+    queue.close()
+    assert order == ["write0", "write1", "write2", "final0", "final1", "final2"]
+    assert queue.get_num_unfinalized_calls() == 0
+
+
+def test_frozen_request_takes_no_more_finalize_fns():
+    request = AsyncRequest(None, (), []).freeze()
+    with pytest.raises(RuntimeError, match="frozen"):
+        request.add_finalize_fn(lambda: None)

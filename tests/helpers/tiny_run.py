@@ -1,0 +1,101 @@
+"""The tiny recipe under torchrun, optionally with MegatronStrategy options and killed with SIGKILL at a step,
+and readers of what such a run leaves on disk.
+
+    python -m torch.distributed.run --nproc-per-node 2 -m tests.helpers.tiny_run \
+        DIR MAX_STEPS [OPTIONS_JSON [KILL_AT_STEP]]
+"""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import fiddle as fdl
+import lightning.pytorch as pl
+import nemo_run as run
+
+from recipes import pretrain_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_NAME = "tiny"
+
+
+class KillAtStep(pl.Callback):
+    """SIGKILL rank 0 once `step` optimizer steps are done: a crash, not a clean exit."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args) -> None:
+        if trainer.global_step == self.step and trainer.is_global_zero:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def tiny_recipe(
+    directory: str, max_steps: int, options: dict[str, Any] | None = None, kill_at_step: int | None = None
+) -> run.Partial:
+    """The tiny recipe checkpointing every 5 steps, keeping all, with `options` set on its strategy."""
+    recipe = pretrain_recipe(
+        name=RUN_NAME, dir=directory, num_gpus_per_node=int(os.environ.get("WORLD_SIZE", 1)), max_steps=max_steps
+    )
+    recipe.log.ckpt.every_n_train_steps = 5
+    recipe.log.ckpt.save_top_k = -1
+    for name, value in (options or {}).items():
+        setattr(recipe.trainer.strategy, name, value)
+    if kill_at_step is not None:
+        recipe.trainer.callbacks = [run.Config(KillAtStep, step=kill_at_step)]
+    return recipe
+
+
+def torchrun_tiny(
+    directory: Path, max_steps: int, options: dict[str, Any] | None = None, kill_at_step: int | None = None
+) -> int:
+    """Run `tiny_recipe` on 2 torchrun ranks; return torchrun's exit code."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "tests.helpers.tiny_run",
+        str(directory),
+        str(max_steps),
+        json.dumps(options or {}),
+    ]
+    command += [str(kill_at_step)] if kill_at_step is not None else []
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, timeout=300).returncode
+
+
+def checkpoints(directory: Path) -> Path:
+    """The checkpoint directory of a run under `directory`."""
+    return directory / RUN_NAME / "checkpoints"
+
+
+def step_dir(directory: Path, step: int) -> Path:
+    """The checkpoint of `step`, found through the manifest."""
+    manifest = json.loads((checkpoints(directory) / "checkpoints.json").read_text())
+    [name] = [record["name"] for record in manifest["checkpoints"] if record["step"] == step]
+    return checkpoints(directory) / name
+
+
+def losses(directory: Path) -> dict[int, float]:
+    """The logged training loss of each step."""
+    with open(directory / RUN_NAME / "logs" / "metrics.csv") as handle:
+        return {
+            int(row["step"]): float(row["reduced_train_loss"])
+            for row in csv.DictReader(handle)
+            if row["reduced_train_loss"]
+        }
+
+
+if __name__ == "__main__":
+    directory, max_steps, *rest = sys.argv[1:]
+    options = json.loads(rest[0]) if rest else None
+    kill_at_step = int(rest[1]) if len(rest) > 1 else None
+    fdl.build(tiny_recipe(directory, int(max_steps), options, kill_at_step))()

@@ -1,0 +1,55 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import fiddle as fdl
+import lightning.pytorch as pl
+import nemo_run as run
+
+from nemo_ckpt.api import pretrain
+from nemo_ckpt.models import GPTModel
+from nemo_ckpt.strategy import MegatronStrategy
+from recipes import pretrain_recipe
+
+
+def test_recipe_is_an_editable_partial_of_pretrain(tmp_path):
+    recipe = pretrain_recipe(name="edit", dir=str(tmp_path), num_gpus_per_node=1)
+    assert isinstance(recipe, run.Partial) and recipe.__fn_or_cls__ is pretrain
+    recipe.trainer.max_steps = 7
+    recipe.trainer.strategy.ckpt_load_strictness = "raise_all"
+    recipe.model.config.num_layers = 3
+
+    built = fdl.build(recipe)
+    assert built.func is pretrain
+    trainer, model = built.keywords["trainer"], built.keywords["model"]
+    assert isinstance(trainer, pl.Trainer) and trainer.max_steps == 7
+    assert isinstance(trainer.strategy, MegatronStrategy)
+    assert trainer.strategy.checkpoint_io.load_strictness == "raise_all"
+    assert isinstance(model, GPTModel) and model.config.num_layers == 3
+    assert built.keywords["log"].checkpoint_dir == tmp_path / "edit" / "checkpoints"
+
+
+def test_cli_dryrun_prints_resolved_config():
+    result = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("nemo")),
+            "nemo_ckpt",
+            "pretrain",
+            "--factory",
+            "tiny",
+            "trainer.max_steps=33",
+            "model.config.hidden_size=96",
+            "run.executor=local",
+            "run.executor.ntasks_per_node=2",
+            "--dryrun",
+            "--yes",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    out = "".join(result.stdout.split())
+    assert "max_steps=33" in out and "hidden_size=96" in out and "strategy=MegatronStrategy(" in out
+    assert "ddp=DistributedDataParallelConfig(" in out
+    assert "LocalExecutor(" in out and "launcher='torchrun'" in out and "ntasks_per_node=2" in out

@@ -1,0 +1,107 @@
+"""Canaries for `nemo_ckpt._compat`, the one home of private torch, Lightning and NeMo-Run APIs: each entry still
+exists and does what nemo_ckpt relies on. Run these first after upgrading a dependency."""
+
+import io
+import pickle
+import zipfile
+
+import nemo_run as run
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import DDPStrategy
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from nemo_ckpt import _compat
+from tests.helpers.distributed import run_distributed
+
+
+def _write_item(tensor: torch.Tensor) -> WriteItem:
+    chunk = ChunkStorageMetadata(torch.Size([0] * tensor.dim()), tensor.shape)
+    data = TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=tensor.dtype), size=tensor.shape)
+    return WriteItem(index=MetadataIndex("w", chunk.offsets), type=WriteItemType.SHARD, tensor_data=data)
+
+
+def test_versions_are_the_tested_ones():
+    _compat._check_versions()
+
+
+def test_dcp_write_item_and_crc_free_tensor_write_give_loadable_torch_saves():
+    tensor = torch.arange(12.0).view(3, 4)
+    stream = io.BytesIO()
+    result = _compat.dcp_write_item(stream, tensor, _write_item(tensor), "__0_0.distcp")
+    assert isinstance(result.storage_data, _compat.StorageInfo)
+    assert (result.storage_data.offset, result.storage_data.length) == (0, len(stream.getvalue()))
+    assert torch.equal(torch.load(io.BytesIO(stream.getvalue())), tensor)
+
+    raw = io.BytesIO()
+    _compat.write_tensor_without_crc(raw, tensor)
+    assert torch.equal(torch.load(io.BytesIO(raw.getvalue())), tensor)
+    with zipfile.ZipFile(io.BytesIO(raw.getvalue())) as archive:
+        assert {info.CRC for info in archive.infolist() if info.filename.endswith("/data/0")} == {0}
+
+
+def test_storage_type_dtypes_name_the_legacy_storages():
+    dtypes = _compat.storage_type_dtypes()
+    assert dtypes["FloatStorage"] == torch.float32 and dtypes["BFloat16Storage"] == torch.bfloat16
+
+
+def test_numpy_array_reconstructor_is_what_array_pickles_name():
+    name = pickle.dumps(np.arange(3)).decode("latin-1")
+    reconstructor = _compat.numpy_array_reconstructor()
+    assert reconstructor.__name__ in name and reconstructor.__module__.split(".")[-1] in name
+
+
+def _dtensor_shapes(rank: int, world_size: int) -> list:
+    mesh = init_device_mesh("cpu", (world_size,))
+    tensor = torch.arange(20.0).view(5, 4)
+    sharded = distribute_tensor(tensor, mesh, [Shard(0)])
+    replicated = distribute_tensor(tensor, mesh, [Replicate()])
+    return [_compat.dtensor_local_shape_and_offset(sharded), _compat.dtensor_local_shape_and_offset(replicated)]
+
+
+def test_dtensor_local_shape_and_offset_on_two_ranks():
+    shard, replicated = zip(*run_distributed(_dtensor_shapes, 2))
+    assert shard == (((3, 4), (0, 0)), ((2, 4), (3, 0)))
+    assert replicated == (((5, 4), (0, 0)), ((5, 4), (0, 0)))
+
+
+def test_strided_shard_is_recognized():
+    assert _compat.is_strided_shard(_StridedShard(0, split_factor=2))
+    assert not _compat.is_strided_shard(Shard(0)) and not _compat.is_strided_shard(Replicate())
+
+
+def test_optimizers_to_device_moves_lightning_optimizer_state():
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.AdamW([param])
+    param.grad = torch.ones(2)
+    optimizer.step()
+    _compat.optimizers_to_device([LightningOptimizer(optimizer)], torch.device("meta"))
+    assert optimizer.state[param]["exp_avg"].is_meta
+
+
+def test_lightning_ddp_kwargs_are_the_strategy_s_extra_arguments():
+    assert _compat.lightning_ddp_kwargs(DDPStrategy(find_unused_parameters=True)) == {"find_unused_parameters": True}
+
+
+def test_nemo_run_experiment_dir(tmp_path):
+    with run.Experiment("canary", base_dir=str(tmp_path), log_level="WARN") as experiment:
+        directory = _compat.nemo_run_experiment_dir(experiment)
+    assert directory.parent.name == "canary" and tmp_path in directory.parents
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="async TP needs CUDA")
+def test_async_tensor_parallel_switches_inductor_on():  # pragma: no cover - GPU only
+    from torch._inductor import config as inductor_config
+
+    torch.distributed.init_process_group("nccl", init_method="tcp://127.0.0.1:29512", rank=0, world_size=1)
+    try:
+        _compat.enable_async_tensor_parallel(torch.distributed.group.WORLD.group_name)
+        assert inductor_config._micro_pipeline_tp
+    finally:
+        torch.distributed.destroy_process_group()
