@@ -7,7 +7,9 @@ synchronous and with asynchronous saves; after every kill:
 
 and the last run, left to finish, ends bit-identical to the uninterrupted run. Kills land at random times
 after start-up, right after a save began (mid-save, mid-async-write), and during start-up (mid-restore,
-mid-recovery), on both ranks at once or one after the other.
+mid-recovery), on both ranks at once or one after the other. Every random choice is valid by construction: a
+trial never waits for a step past `MAX_STEPS - MARGIN`, and once the newest checkpoint is that close to the end,
+trials are killed during start-up, so no trial can finish training before its kill.
 """
 
 import multiprocessing
@@ -31,6 +33,7 @@ from tests.helpers.recipe import checkpoint_dir
 WORLD_SIZE = 2
 MAX_STEPS = 100
 TRIALS = 20  # per mode: 40 kills in all
+MARGIN = 10  # steps kept between any step a trial waits for and MAX_STEPS
 SEED = int(os.environ.get("CRASH_TEST_SEED", "0"))
 
 
@@ -82,6 +85,14 @@ class Run:
             if time.monotonic() > deadline or any(not process.is_alive() for process in self.processes):
                 self.kill("both", 0.0)
                 raise AssertionError(f"the run stopped or stalled before {event}:\n{self.output()}")
+            time.sleep(0.002)
+
+    def wait_at_most(self, seconds: float, last_step: int) -> None:
+        """Sleep `seconds`, or less: until rank 0 reports a step at or past `last_step` (or the run ends)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and all(process.is_alive() for process in self.processes):
+            if any(step >= last_step for _, step in self.events()):
+                return
             time.sleep(0.002)
 
     def kill(self, order: str, gap: float) -> None:
@@ -174,13 +185,14 @@ def test_sigkill_at_random_moments_then_resume(forkserver, reference, tmp_path, 
     newest, interrupted_saves, interrupted_async_writes, resumes_checked = 0, 0, 0, 0
     for trial in range(TRIALS):
         run = Run(forkserver, directory, f"trial{trial}", async_save, save_top_k=2)
-        plan = rng.choice(["startup", "random", "save", "save"])
+        last_step = MAX_STEPS - MARGIN
+        plan = rng.choice(["startup", "random", "save", "save"]) if newest < last_step - 3 * SAVE_EVERY else "startup"
         if plan == "startup":
-            time.sleep(rng.uniform(0.0, 1.0))
+            run.wait_at_most(rng.uniform(0.0, 1.0), last_step=newest)  # killed by the time training starts
         else:
             run.wait_for("start")
             if plan == "random":
-                time.sleep(rng.uniform(0.0, 0.3))
+                run.wait_at_most(rng.uniform(0.0, 0.3), last_step)
             else:
                 save_step = run.events()[0][1] + SAVE_EVERY * rng.randint(1, 3)
                 run.wait_for(("step", save_step))

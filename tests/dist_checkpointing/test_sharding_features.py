@@ -137,11 +137,11 @@ def test_reshard_features(tmp_path, save_ws, load_ws, emb_rows):
 
 
 def test_flat_range_boxes_cover_range_exactly():
-    from nemo_ckpt.dist_checkpointing.strategies.torch import _flat_range_boxes
+    from nemo_ckpt.dist_checkpointing.mapping import flat_range_boxes
 
     shape = (3, 4, 5)
     for start, stop in [(0, 60), (7, 8), (3, 47), (20, 40), (19, 41), (0, 1), (59, 60)]:
-        boxes = _flat_range_boxes(shape, start, stop)
+        boxes = flat_range_boxes(shape, start, stop)
         flat = []
         for off, size in boxes:
             idx = torch.arange(60).view(shape)[tuple(slice(o, o + s) for o, s in zip(off, size))]

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A throwaway one-node Slurm cluster on this machine, for tests and CI.
 #
-#   cluster.sh install      apt-get Slurm 22.05, slurmdbd, MariaDB and munge if missing (needs root)
+#   cluster.sh install      apt-get Slurm 22.05, slurmdbd, MariaDB and munge if missing (needs root); fails
+#                           within REGISTRY_TIMEOUT seconds when the package registry does not answer
+#                           (SLURM_FORCE_INSTALL=1: install even if Slurm is there)
 #   cluster.sh start DIR    install, then run munged, mariadbd, slurmdbd, slurmctld and slurmd
 #                           with all config/state/logs/pids in DIR; waits until the node is
 #                           idle and prints `export SLURM_CONF=DIR/slurm.conf` on stdout
@@ -17,11 +19,12 @@ export PATH="$PATH:/usr/sbin:/sbin"
 
 PACKAGES=(slurmctld slurmd slurm-client slurmdbd mariadb-server munge)
 START_TIMEOUT=${SLURM_START_TIMEOUT:-60}
+REGISTRY_TIMEOUT=${SLURM_REGISTRY_TIMEOUT:-45}
 
 die() { echo "cluster.sh: $*" >&2; exit 1; }
 
 install_slurm() {
-    if command -v slurmctld >/dev/null && command -v slurmd >/dev/null \
+    if [[ -z ${SLURM_FORCE_INSTALL:-} ]] && command -v slurmctld >/dev/null && command -v slurmd >/dev/null \
         && command -v sbatch >/dev/null && command -v munged >/dev/null \
         && command -v slurmdbd >/dev/null && command -v mariadbd >/dev/null; then
         return 0
@@ -29,7 +32,9 @@ install_slurm() {
     [[ $(id -u) -eq 0 ]] || die "Slurm is not installed and installing it needs root"
     command -v apt-get >/dev/null || die "Slurm is not installed and apt-get is missing"
     export DEBIAN_FRONTEND=noninteractive
-    apt-get -o DPkg::Lock::Timeout=300 update -qq >&2
+    timeout "$REGISTRY_TIMEOUT" apt-get -o DPkg::Lock::Timeout=30 -o Acquire::Retries=0 \
+        -o Acquire::http::Timeout=10 -o Acquire::https::Timeout=10 update --error-on=any -qq >&2 \
+        || die "Slurm is not installed and the package registry did not answer within ${REGISTRY_TIMEOUT}s"
     apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends "${PACKAGES[@]}" >&2
 }
 
