@@ -24,7 +24,7 @@ def test_recipe_is_an_editable_partial_of_pretrain(tmp_path):
     trainer, model = built.keywords["trainer"], built.keywords["model"]
     assert isinstance(trainer, pl.Trainer) and trainer.max_steps == 7
     assert isinstance(trainer.strategy, MegatronStrategy)
-    assert trainer.strategy.checkpoint_io.load_strictness == "raise_all"
+    assert trainer.strategy.checkpoint_io.options.ckpt_load_strictness == "raise_all"
     assert isinstance(model, GPTModel) and model.config.num_layers == 3
     assert built.keywords["log"].checkpoint_dir == tmp_path / "edit" / "checkpoints"
 

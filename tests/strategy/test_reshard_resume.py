@@ -36,6 +36,7 @@ def uninterrupted(rank: int, world_size: int) -> list[float]:
     return fit(world_size, {"data_parallel_sharding_strategy": "no_shard"}, MAX_STEPS, model_overrides=MODEL)
 
 
+@pytest.fixture(scope="module")
 def chain(tmp_path_factory) -> tuple[Path, list[float]]:
     directory = tmp_path_factory.mktemp("chain")
     losses: list[float] = []
