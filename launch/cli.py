@@ -2,6 +2,8 @@
 
 nemo nemo_ckpt pretrain --factory tiny trainer.max_steps=20 run.executor=local --yes
 nemo nemo_ckpt pretrain --factory tiny run.executor=slurm run.executor.account=llm --dryrun
+nemo nemo_ckpt pretrain --factory tiny trainer.max_steps=20 --to-yaml recipe.yaml   (export, run nothing)
+nemo nemo_ckpt pretrain --yaml overrides.yaml run.executor=local --yes   (`run: {factory: tiny}` + overrides)
 """
 
 from collections.abc import Callable
@@ -14,7 +16,8 @@ from nemo_run.cli.api import RunContext
 import launch.local  # noqa: F401  (registers the `local` executor factory)
 import recipes  # noqa: F401  (registers the recipe factories of `pretrain`)
 from launch.slurm import sbatch_script
-from nemo_ckpt.api import pretrain
+from nemo_ckpt.api import export_ckpt, finetune, import_ckpt, pretrain
+from nemo_ckpt.options import check_override
 
 
 @dataclass(kw_only=True)
@@ -24,7 +27,14 @@ class DryRunShowsScript(RunContext):
     task: run.Partial | None = field(init=False, default=None)
 
     def parse_fn(self, fn: Callable, args: list[str], **default_args) -> run.Partial:
-        self.task = super().parse_fn(fn, args, **default_args)
+        try:
+            self.task = super().parse_fn(fn, args, **default_args)
+        except Exception:
+            # name a misspelt or unsupported option with a suggestion, rather than NeMo-Run's parse error
+            base = super().parse_fn(fn, [], **default_args)
+            for key in (arg.split("=", 1)[0].rstrip("+-*/") for arg in args if "=" in arg):
+                check_override(base, key)
+            raise
         return self.task
 
     def cli_execute(self, fn: Callable, args: list[str], entrypoint_type: Literal["task", "experiment"] = "task"):
@@ -34,3 +44,6 @@ class DryRunShowsScript(RunContext):
 
 
 run.cli.entrypoint(pretrain, namespace="nemo_ckpt", run_ctx_cls=DryRunShowsScript)
+run.cli.entrypoint(finetune, namespace="nemo_ckpt", run_ctx_cls=DryRunShowsScript)
+run.cli.entrypoint(import_ckpt, namespace="nemo_ckpt", enable_executor=False)
+run.cli.entrypoint(export_ckpt, namespace="nemo_ckpt", enable_executor=False)

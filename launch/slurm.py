@@ -33,7 +33,7 @@ import shlex
 import shutil
 import socket
 from dataclasses import asdict
-from typing import Any, Optional
+from typing import Any
 
 import nemo_run as run
 from nemo_run.config import RUNDIR_NAME, get_nemorun_home
@@ -50,25 +50,25 @@ JOB_NAME_PREFIX = "nemo_ckpt."
 
 
 def slurm_executor(
-    account: Optional[str] = None,
-    partition: Optional[str] = None,
+    account: str | None = None,
+    partition: str | None = None,
     nodes: int = 1,
     ntasks_per_node: int = 1,
     gpus_per_node: int = 0,
-    cpus_per_task: Optional[int] = None,
+    cpus_per_task: int | None = None,
     time: str = "00:30:00",
-    container_image: Optional[str] = None,
-    container_mounts: Optional[list[str]] = None,
-    env_vars: Optional[dict[str, str]] = None,
-    host: Optional[str] = None,
-    user: Optional[str] = None,
-    identity: Optional[str] = None,
-    port: Optional[int] = None,
+    container_image: str | None = None,
+    container_mounts: list[str] | None = None,
+    env_vars: dict[str, str] | None = None,
+    host: str | None = None,
+    user: str | None = None,
+    identity: str | None = None,
+    port: int | None = None,
     job_dir: str = "",
-    packager: Optional[run.Packager] = None,
-    signal: Optional[str] = None,
+    packager: run.Packager | None = None,
+    signal: str | None = None,
     retries: int = 0,
-    additional_parameters: Optional[dict[str, Any]] = None,
+    additional_parameters: dict[str, Any] | None = None,
 ) -> run.SlurmExecutor:
     """A validated ``run.SlurmExecutor`` running torchrun with ``ntasks_per_node`` ranks per node.
 

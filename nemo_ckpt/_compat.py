@@ -47,9 +47,11 @@ __all__ = [
     "enable_async_tensor_parallel",
     "is_strided_shard",
     "lightning_ddp_kwargs",
+    "nemo_run_cli_parse_union_types",
     "nemo_run_experiment_dir",
     "numpy_array_reconstructor",
     "optimizers_to_device",
+    "redirect_logger",
     "storage_type_dtypes",
     "write_tensor_without_crc",
 ]
@@ -118,3 +120,25 @@ def nemo_run_experiment_dir(experiment: Any) -> Path:
 def lightning_ddp_kwargs(strategy: Any) -> dict[str, Any]:
     """The keyword arguments Lightning's `DDPStrategy` keeps for `DistributedDataParallel`."""
     return strategy._ddp_kwargs
+
+
+def nemo_run_cli_parse_union_types() -> None:
+    """Make NeMo-Run's command line parse `int | None` (`types.UnionType`) like `Optional[int]`: 0.11 knows
+    only `typing.Union`, so `log.ckpt.every_n_train_steps=5` or `--yaml` setting such a field fails."""
+    import types
+
+    from nemo_run.cli.cli_parser import parse_value, type_parser
+
+    type_parser.register_parser(types.UnionType)(type_parser.parse_union)
+    type_parser.get_parser.cache_clear()
+    parse_value.cache_clear()
+
+
+def redirect_logger(logger: Any, save_dir: str | Path) -> None:
+    """Make a Lightning `TensorBoardLogger` or `CSVLogger` that has not written yet write under `save_dir` (as if
+    built with it), keeping its name and version (what NeMo's `update_logger_directory` does)."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger._root_dir = str(save_dir)
+    if isinstance(logger, CSVLogger):
+        logger._save_dir = str(save_dir)

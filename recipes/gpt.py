@@ -6,12 +6,15 @@ recipe.trainer.strategy.save_ckpt_format = "torch_dist"
 recipe.trainer.strategy.ddp.data_parallel_sharding_strategy = "optim_grads_params"
 """
 
+import os
+
 import lightning.pytorch as pl
 import nemo_run as run
 
 from nemo_ckpt.api import pretrain
 from nemo_ckpt.checkpoint import AutoResume, ModelCheckpoint, PreemptionCallback
-from nemo_ckpt.data import MockDataModule
+from nemo_ckpt.data import MockDataModule, PreTrainingDataModule
+from nemo_ckpt.data.corpus import prepare_tiny_corpus
 from nemo_ckpt.logger import NeMoLogger
 from nemo_ckpt.models import GPTModel, gpt_config
 from nemo_ckpt.optim import OptimizerConfig
@@ -73,20 +76,27 @@ def pretrain_recipe(
     max_steps: int = 20,
     micro_batch_size: int = 4,
     global_batch_size: int | None = None,
+    data: str = "mock",
+    data_paths: list | None = None,
+    tokenizer: str | None = None,
 ) -> run.Partial:
-    """Pretrain a GPT of `model_size` on mock data, checkpointing every 10 steps and resuming if it can."""
+    """Pretrain a GPT of `model_size`, checkpointing every 10 steps and resuming if it can.
+
+    `data="mock"`: synthetic sequences. `data="real"`: Megatron indexed datasets `data_paths` (prefixes, or
+    `[weight, prefix, ...]`) tokenized with `tokenizer`; without `data_paths`, a generated corpus prepared (once)
+    under `<dir>/data/tiny_corpus` with its own BPE tokenizer of the model's vocab size.
+    """
     model = gpt_config(model_size)
     data_parallel_size = num_nodes * num_gpus_per_node
+    batch = {
+        "seq_length": model.seq_length,
+        "micro_batch_size": micro_batch_size,
+        "global_batch_size": global_batch_size or micro_batch_size * data_parallel_size,
+    }
     return run.Partial(
         pretrain,
         model=run.Config(GPTModel, config=run.Config(type(model), **vars(model))),
-        data=run.Config(
-            MockDataModule,
-            seq_length=model.seq_length,
-            vocab_size=model.vocab_size,
-            micro_batch_size=micro_batch_size,
-            global_batch_size=global_batch_size or micro_batch_size * data_parallel_size,
-        ),
+        data=data_module(data, model.vocab_size, dir or "nemo_experiments", data_paths, tokenizer, **batch),
         trainer=trainer(num_nodes, num_gpus_per_node, max_steps),
         log=run.Config(
             NeMoLogger,
@@ -101,16 +111,41 @@ def pretrain_recipe(
     )
 
 
+def data_module(
+    data: str, vocab_size: int, log_dir: str, data_paths: list | None, tokenizer: str | None, **batch
+) -> run.Config:
+    """The recipe's data: `MockDataModule` or `PreTrainingDataModule` (see `pretrain_recipe`)."""
+    if data == "mock":
+        return run.Config(MockDataModule, vocab_size=vocab_size, **batch)
+    if data != "real":
+        raise ValueError(f"data={data!r}: choose 'mock' or 'real'")
+    if data_paths is None:
+        if tokenizer is not None:
+            raise ValueError("tokenizer= goes with data_paths=; the generated corpus brings its own tokenizer")
+        corpus = os.path.join(log_dir, "data", "tiny_corpus")
+        data_paths = run.Config(prepare_tiny_corpus, directory=corpus, vocab_size=vocab_size)
+        tokenizer = os.path.join(corpus, "tokenizer")
+    if tokenizer is None:
+        raise ValueError("data='real' with data_paths needs tokenizer= (a local tokenizer directory or 'byte-level')")
+    return run.Config(
+        PreTrainingDataModule, paths=data_paths, tokenizer=tokenizer, split="969,30,1", num_workers=0, **batch
+    )
+
+
 @run.cli.factory(target=pretrain, name="tiny")
-def tiny(name: str = "tiny", dir: str | None = None, num_nodes: int = 1, num_gpus_per_node: int = 2) -> run.Partial:
-    """The 130k-parameter model: trains on 2 CPU processes in seconds."""
-    return pretrain_recipe(name, dir, num_nodes, num_gpus_per_node, model_size="tiny")
+def tiny(
+    name: str = "tiny", dir: str | None = None, num_nodes: int = 1, num_gpus_per_node: int = 2, data: str = "mock"
+) -> run.Partial:
+    """The 130k-parameter model: trains on 2 CPU processes in seconds (`data=real`: on a generated corpus)."""
+    return pretrain_recipe(name, dir, num_nodes, num_gpus_per_node, model_size="tiny", data=data)
 
 
 @run.cli.factory(target=pretrain, name="small")
-def small(name: str = "small", dir: str | None = None, num_nodes: int = 1, num_gpus_per_node: int = 2) -> run.Partial:
-    """A 3.7M-parameter model."""
-    return pretrain_recipe(name, dir, num_nodes, num_gpus_per_node, model_size="small")
+def small(
+    name: str = "small", dir: str | None = None, num_nodes: int = 1, num_gpus_per_node: int = 2, data: str = "mock"
+) -> run.Partial:
+    """A 3.7M-parameter model (`data=real`: on a generated corpus)."""
+    return pretrain_recipe(name, dir, num_nodes, num_gpus_per_node, model_size="small", data=data)
 
 
 @run.cli.factory(target=pretrain, name="llama3_8b")

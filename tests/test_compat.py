@@ -95,6 +95,30 @@ def test_nemo_run_experiment_dir(tmp_path):
     assert directory.parent.name == "canary" and tmp_path in directory.parents
 
 
+def test_nemo_run_cli_parses_union_types():
+    from nemo_run.cli.cli_parser import parse_cli_args
+
+    def entry(steps: int | None = None, name: str | None = None) -> None: ...
+
+    _compat.nemo_run_cli_parse_union_types()
+    parsed = parse_cli_args(entry, ["steps=5", "name=demo"])
+    assert (parsed.steps, parsed.name) == (5, "demo")
+
+
+def test_redirect_logger_moves_lightning_loggers_keeping_name_and_version(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    elsewhere, run_dir = tmp_path / "elsewhere", tmp_path / "run"
+    for logger in (TensorBoardLogger(elsewhere, name="tb", version="v"), CSVLogger(elsewhere, "csv", "v")):
+        _compat.redirect_logger(logger, run_dir)
+        assert logger.save_dir == str(run_dir)
+        assert logger.log_dir == str(run_dir / logger.name / "v")
+        logger.log_metrics({"x": 1.0}, step=0)
+        logger.finalize("success")
+        assert any((run_dir / logger.name / "v").iterdir())
+    assert not elsewhere.exists()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="async TP needs CUDA")
 def test_async_tensor_parallel_switches_inductor_on():  # pragma: no cover - GPU only
     from torch._inductor import config as inductor_config

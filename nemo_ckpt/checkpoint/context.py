@@ -4,9 +4,16 @@ rebuilds its model, like NeMo's `nemo.lightning.io`.
 Classes that inherit `IOMixin` record the arguments each instance is constructed with as `obj.__io__`, a
 `fdl.Config` that builds an equal object. `ModelCheckpoint` stores them as `context/<name>.json` (Fiddle's JSON
 serialization, the one NeMo-Run uses) in every checkpoint; `load_context` and `load_model` read them back.
+
+Nothing read from disk runs code by default: a stored config may only name classes and functions of `nemo_ckpt`,
+`recipes`, Fiddle's config types, torch optimizers, LR schedulers and modules, Lightning's types and plain
+builtins (`ALLOWED_ROOTS`, `SAFE_BUILTINS`). Anything else (`subprocess.run`, `os.system`, ...) raises
+`UntrustedConfigError` before it is imported; `trust_code=True` lifts the check for checkpoints you trust.
 """
 
+import builtins
 import dataclasses
+import enum
 import json
 from pathlib import Path
 from typing import Any
@@ -17,8 +24,61 @@ from fiddle.experimental import serialization
 
 from nemo_ckpt import dist_checkpointing
 from nemo_ckpt.checkpoint.layout import context_dir, weights_dir
+from nemo_ckpt.dist_checkpointing.core import fsync_path, write_durably
 
 MOVED_MODULES = {"nemo_ckpt.models.lightning": "nemo_ckpt.models.gpt.lightning"}  # 0.1.0 -> 0.2.0
+
+# Packages whose classes and functions a stored config may name, each with the sub-modules allowed (None: all).
+ALLOWED_ROOTS: dict[str, tuple[str, ...] | None] = {
+    "nemo_ckpt": None,
+    "recipes": None,
+    "fiddle": None,
+    "torch": ("torch.optim", "torch.nn.modules", "torch.nn.init"),
+    "lightning": ("lightning.pytorch", "lightning.fabric"),
+}
+SAFE_BUILTINS = frozenset(
+    {"bool", "bytes", "complex", "dict", "float", "frozenset", "int", "list", "range", "set", "slice", "str", "tuple"}
+)
+
+
+class UntrustedConfigError(ValueError):
+    """A stored config names a class or function outside the allow-list."""
+
+
+class AllowListPyrefPolicy(serialization.PyrefPolicy):
+    """Fiddle's import policy for stored configs: only the symbols of `ALLOWED_ROOTS` and `SAFE_BUILTINS`.
+
+    A symbol is checked by name before it is imported, and the imported value again by the module that defines
+    it (so `nemo_ckpt.x` re-exporting `subprocess` does not open a way in).
+    """
+
+    def allows_import(self, module: str, symbol: str) -> bool:
+        if any(part.startswith("__") for part in symbol.split(".")):
+            return False
+        if module == "builtins":
+            return symbol in SAFE_BUILTINS
+        return _in_allowed_root(module)
+
+    def allows_value(self, value: Any) -> bool:
+        if isinstance(value, enum.Enum):
+            value = type(value)
+        if not (isinstance(value, type) or callable(value)):
+            return False
+        module = getattr(value, "__module__", None) or ""
+        if module == "builtins":
+            return getattr(builtins, getattr(value, "__name__", ""), None) is value and value.__name__ in SAFE_BUILTINS
+        return _in_allowed_root(module)
+
+    def __str__(self) -> str:
+        return "nemo_ckpt allow-list"
+
+
+def _in_allowed_root(module: str) -> bool:
+    root = module.split(".", 1)[0]
+    if root not in ALLOWED_ROOTS:
+        return False
+    prefixes = ALLOWED_ROOTS[root]
+    return prefixes is None or module in prefixes or module.startswith(tuple(f"{p}." for p in prefixes))
 
 
 def to_config(value: Any) -> Any:
@@ -56,26 +116,41 @@ def set_init_arg(obj: Any, name: str, value: Any) -> None:
 
 def save_context(checkpoint: str | Path, **objects: Any) -> list[str]:
     """Write the config of each `IOMixin` object in `objects` to `<checkpoint>/context/<name>.json`; return the
-    names written. Objects that did not record their config are skipped."""
+    names written, fsynced with their directory. Objects that did not record their config are skipped."""
     directory = context_dir(checkpoint)
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     for name, obj in objects.items():
         if isinstance(obj, IOMixin):
-            (directory / f"{name}.json").write_text(serialization.dump_json(obj.__io__))
+            serialized = serialization.dump_json(obj.__io__).encode()
+            write_durably(directory / f"{name}.json", lambda f, data=serialized: f.write(data))
             written.append(name)
+    fsync_path(directory)
     return written
 
 
-def load_context(checkpoint: str | Path, name: str = "model") -> fdl.Buildable:
-    """The config of `name` ("model" or "data") stored in `checkpoint`; `fdl.build` it to get the object."""
+def load_context(checkpoint: str | Path, name: str = "model", trust_code: bool = False) -> fdl.Buildable:
+    """The config of `name` ("model" or "data") stored in `checkpoint`; `fdl.build` it to get the object.
+
+    The config may only name allow-listed classes and functions (see the module docstring); with `trust_code`,
+    any importable symbol (only for checkpoints you trust: building the config runs what it names).
+    """
     path = context_dir(checkpoint) / f"{name}.json"
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} does not exist: the checkpoint stores no {name} config (its {name} class "
             "must inherit nemo_ckpt.checkpoint.context.IOMixin for ModelCheckpoint to record it)"
         )
-    return serialization.load_json(with_current_module_names(path.read_text()))
+    policy = serialization.DefaultPyrefPolicy() if trust_code else AllowListPyrefPolicy()
+    try:
+        return serialization.load_json(with_current_module_names(path.read_text()), pyref_policy=policy)
+    except serialization.PyrefPolicyError as error:
+        raise UntrustedConfigError(
+            f"{path} names `{error.module}.{error.symbol}`, which is not on nemo_ckpt's allow-list of classes and "
+            "functions a stored config may build (nemo_ckpt, recipes, Fiddle, torch optimizers and modules, "
+            "Lightning, plain builtins). If you trust this checkpoint, load it with trust_code=True "
+            "(load_context / load_model / AutoResume(restore_config_trust_code=True))"
+        ) from None
 
 
 def with_current_module_names(serialized: str) -> str:
@@ -88,12 +163,13 @@ def with_current_module_names(serialized: str) -> str:
     return json.dumps(raw)
 
 
-def load_model(checkpoint: str | Path, load_weights: bool = True) -> pl.LightningModule:
+def load_model(checkpoint: str | Path, load_weights: bool = True, trust_code: bool = False) -> pl.LightningModule:
     """Rebuild the model of `checkpoint` from its stored config and, with `load_weights`, load its weights.
 
     Runs in a single process (no `torch.distributed` needed), whatever the number of ranks that saved it.
+    `trust_code`: as in `load_context`.
     """
-    model = fdl.build(load_context(checkpoint, "model"))
+    model = fdl.build(load_context(checkpoint, "model", trust_code=trust_code))
     model.configure_model()
     if load_weights:
         tensors = dist_checkpointing.load_plain_tensors(weights_dir(checkpoint))

@@ -6,6 +6,7 @@
         weights/                     the distributed checkpoint (nemo_ckpt.dist_checkpointing)
             metadata.json            written last: the checkpoint is complete once it exists
         context/<model|data>.json    the Fiddle configs its model and data were built from
+        context/hf/                  an imported model's Hugging Face config and tokenizer files
     <name>-last -> <name>            symlink to the newest checkpoint
     .tmp-<name>/                     a save in progress (or a link being replaced)
     .trash-<name>/                   a deletion in progress
@@ -18,6 +19,7 @@ from nemo_ckpt.dist_checkpointing.core import CONFIG_FNAME
 MANIFEST_NAME = "checkpoints.json"
 WEIGHTS_DIR = "weights"
 CONTEXT_DIR = "context"
+HF_ARTIFACTS_DIR = "hf"
 LAST_SUFFIX = "-last"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
@@ -31,6 +33,11 @@ def weights_dir(checkpoint: str | Path) -> Path:
 def context_dir(checkpoint: str | Path) -> Path:
     """The stored configs inside a training checkpoint directory."""
     return Path(checkpoint) / CONTEXT_DIR
+
+
+def hf_artifacts_dir(checkpoint: str | Path) -> Path:
+    """An imported Hugging Face model's config.json, generation config and tokenizer files."""
+    return context_dir(checkpoint) / HF_ARTIFACTS_DIR
 
 
 def completion_marker(checkpoint: str | Path) -> Path:

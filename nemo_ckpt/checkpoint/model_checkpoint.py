@@ -29,8 +29,17 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from nemo_ckpt.checkpoint import context
-from nemo_ckpt.checkpoint.layout import LAST_SUFFIX, MANIFEST_NAME, TMP_PREFIX, TRASH_PREFIX, is_complete
+from nemo_ckpt.checkpoint.layout import (
+    LAST_SUFFIX,
+    MANIFEST_NAME,
+    TMP_PREFIX,
+    TRASH_PREFIX,
+    context_dir,
+    is_complete,
+    weights_dir,
+)
 from nemo_ckpt.checkpoint.manifest import CheckpointRecord, Manifest, fsync_directory
+from nemo_ckpt.options import strict_options
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +76,7 @@ def run_on_rank_zero(trainer: pl.Trainer, fn: Callable[[], Any], what: str) -> A
     return result
 
 
+@strict_options()
 class ModelCheckpoint(Callback):
     """Save every `every_n_train_steps` optimizer steps, every `train_time_interval`, at the end of each training
     epoch (`save_on_train_epoch_end`) and at the end of training, as NeMo's `ModelCheckpoint` does.
@@ -222,7 +232,12 @@ class ModelCheckpoint(Callback):
         self._last_save_time = time.monotonic()
         try:
             trainer.save_checkpoint(
-                tmp, weights_only=weights_only, storage_options={"finalize_fn": lambda: self._commit(trainer, record)}
+                tmp,
+                weights_only=weights_only,
+                storage_options={
+                    "finalize_fn": lambda: self._commit(trainer, record),
+                    "failure_fn": lambda: self._discard(trainer, record, tmp, replaced),
+                },
             )
         except Exception as error:
             free_mib = shutil.disk_usage(self.dirpath).free / 2**20
@@ -270,6 +285,16 @@ class ModelCheckpoint(Callback):
                 "MiB; free some space or choose another dirpath",
             )
 
+    def _discard(
+        self, trainer: pl.Trainer, record: CheckpointRecord, tmp: Path, replaced: tuple[int, CheckpointRecord] | None
+    ) -> None:
+        """An async save failed and the run goes on (`ckpt_async_save_failure='warn'`): undo it, so that the next
+        interval saves again."""
+        if trainer.is_global_zero:
+            self._abort(record, tmp, replaced)
+        if self._last_saved_step == record.step:
+            self._last_saved_step, self._last_saved_path = None, None
+
     def _abort(self, record: CheckpointRecord, tmp: Path, replaced: tuple[int, CheckpointRecord] | None) -> None:
         """Undo a failed save's `_begin` as far as the file system lets us; `recover` does the rest later.
         A save that failed after its commit published it (another rank died then) is left as it is."""
@@ -299,6 +324,9 @@ class ModelCheckpoint(Callback):
     def _publish(self, record: CheckpointRecord) -> list[str]:
         final, tmp = self.dirpath / record.name, self.dirpath / f"{TMP_PREFIX}{record.name}"
         replaced = self.dirpath / f"{TRASH_PREFIX}{record.name}"
+        for directory in (weights_dir(tmp), context_dir(tmp), tmp):  # every file was fsynced by its writer
+            if directory.is_dir():
+                fsync_directory(directory)
         if final.exists():
             os.replace(final, replaced)
         os.replace(tmp, final)

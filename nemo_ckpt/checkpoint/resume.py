@@ -1,15 +1,22 @@
 """`AutoResume`: pick the checkpoint a run continues from, like NeMo's `nl.AutoResume`."""
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import fiddle as fdl
 import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
+from nemo_ckpt import dist_checkpointing
 from nemo_ckpt.checkpoint import context
-from nemo_ckpt.checkpoint.layout import MANIFEST_NAME, completion_marker, is_complete
+from nemo_ckpt.checkpoint.layout import MANIFEST_NAME, completion_marker, is_complete, weights_dir
 from nemo_ckpt.checkpoint.manifest import Manifest
+from nemo_ckpt.dist_checkpointing import ShardedTensor
+from nemo_ckpt.dist_checkpointing.dtensor import dtensor_to_sharded_tensor, local_tensor
 
 log = logging.getLogger(__name__)
 
@@ -22,14 +29,18 @@ class AutoResume:
     holds optimizer state in `resume_from_directory` (default: the run's checkpoint directory), found through
     its `checkpoints.json`: unfinished and incomplete checkpoints are skipped with a warning. Without one, the
     run fails unless `resume_ignore_no_checkpoint`. With `restore_config`, the model is rebuilt from the config
-    stored in the checkpoint instead of the one the run was given.
+    stored in the checkpoint instead of the one the run was given; that config may only name allow-listed
+    classes and functions (`nemo_ckpt.checkpoint.context`) unless `restore_config_trust_code`. With a
+    `RestoreConfig` instead, a run that finds nothing to resume starts from that checkpoint's weights (fine-tuning);
+    a run that resumes takes its weights from the resumed checkpoint.
     """
 
     resume_if_exists: bool = False
     resume_ignore_no_checkpoint: bool = False
     resume_from_path: str | None = None
     resume_from_directory: str | None = None
-    restore_config: bool = False
+    restore_config: "bool | RestoreConfig" = False
+    restore_config_trust_code: bool = False
 
     def find_checkpoint(self, checkpoint_dir: str | Path | None) -> Path | None:
         """The checkpoint to resume from, or None to start from scratch."""
@@ -69,9 +80,9 @@ class AutoResume:
 
     def restore_model(self, checkpoint: Path | None, model: pl.LightningModule) -> pl.LightningModule:
         """With `restore_config` and a checkpoint, the model rebuilt from the checkpoint's config; else `model`."""
-        if not self.restore_config or checkpoint is None:
+        if self.restore_config is not True or checkpoint is None:
             return model
-        config = context.load_context(checkpoint, "model")
+        config = context.load_context(checkpoint, "model", trust_code=self.restore_config_trust_code)
         if isinstance(model, context.IOMixin) and model.__io__ != config:
             log.warning(
                 "AutoResume(restore_config=True): using the model config of %s, not the one given:\n%s",
@@ -98,3 +109,95 @@ def newest_resumable(directory: Path) -> Path | None:
         else:
             return path
     return None
+
+
+@dataclass
+class RestoreConfig:
+    """The checkpoint a fine-tuning run starts from, like NeMo's `nl.RestoreConfig`: its model weights (an
+    imported Hugging Face model or another run's checkpoint, any layout), with a fresh optimizer at step 0.
+
+    `load_optim_state=True` is refused: a run that continues another run's optimizer resumes it
+    (`AutoResume(resume_from_path=...)`).
+    """
+
+    path: str
+    load_model_state: bool = True
+    load_optim_state: bool = False
+
+    def __post_init__(self) -> None:
+        if self.load_optim_state:
+            raise ValueError(
+                "RestoreConfig(load_optim_state=True) is not supported: a restored run starts a fresh optimizer; "
+                "to continue a run with its optimizer state use AutoResume(resume_from_path=...)"
+            )
+
+    def check(self) -> Path:
+        """The checkpoint to restore from; raise if it is not a complete checkpoint."""
+        path = Path(self.path)
+        if not is_complete(path):
+            raise FileNotFoundError(
+                f"RestoreConfig(path={self.path!r}) is not a complete checkpoint: {completion_marker(path)} is "
+                "missing (import a Hugging Face model with nemo_ckpt.api.import_ckpt first)"
+            )
+        return path
+
+
+class RestoreCallback(pl.Callback):
+    """Load a `RestoreConfig`'s model weights into the model once the strategy has built and sharded it.
+
+    Keys are matched by name and loaded whatever layout saved them (one tensor or DTensor shards). When the run
+    resumes a checkpoint of its own (`resuming`), nothing is loaded, unless the model trains adapters (`peft`):
+    their checkpoints hold only the adapters, so the base weights always come from the restore checkpoint.
+    """
+
+    def __init__(self, config: RestoreConfig, resuming: bool = False) -> None:
+        self.config = config
+        self.resuming = resuming
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        peft = getattr(pl_module, "peft", None)
+        if not self.config.load_model_state or (self.resuming and peft is None):
+            return
+        load_restore_weights(pl_module, self.config.check(), None if peft is None else peft.is_adapter_key)
+
+
+@torch.no_grad()
+def load_restore_weights(
+    module: nn.Module, checkpoint: Path, may_be_missing: Callable[[str], bool] | None = None
+) -> None:
+    """Load `checkpoint`'s weights into `module`'s parameters and buffers (plain tensors or DTensor shards).
+
+    Every tensor of the module must be in the checkpoint with its shape, except keys `may_be_missing(key)` accepts
+    (adapters); a mismatch raises before anything is loaded, naming the keys.
+    """
+    weights = weights_dir(checkpoint)
+    stored = dist_checkpointing.load_tensors_metadata(weights)
+    live = nn.Module.state_dict(module)  # every tensor, whatever the module's own `state_dict` saves
+    missing = [key for key in live if key not in stored and not (may_be_missing and may_be_missing(key))]
+    mismatched = [
+        f"{key}: {list(stored[key].global_shape)} in the checkpoint, {list(tensor.shape)} here"
+        for key, tensor in live.items()
+        if key in stored and tuple(stored[key].global_shape) != tuple(tensor.shape)
+    ]
+    if missing or mismatched:
+        raise ValueError(
+            f"RestoreConfig(path={str(checkpoint)!r}) holds another architecture than the model: "
+            f"missing {missing[:8]}, shapes differ for {mismatched[:8]}"
+        )
+    template = {}
+    for key, tensor in live.items():
+        if key not in stored or local_tensor(tensor).numel() == 0:
+            continue
+        if isinstance(tensor, DTensor):
+            template[key] = dtensor_to_sharded_tensor(key, tensor)
+        else:
+            template[key] = ShardedTensor.from_rank_offsets(key, tensor.detach(), replica_id=0)
+        if template[key].dtype != stored[key].dtype:  # e.g. a bf16 import into fp32 parameters: read, then cast
+            buffer = torch.empty_like(template[key].data, dtype=stored[key].dtype)
+            template[key] = replace(template[key], data=buffer, dtype=buffer.dtype)
+    loaded = dist_checkpointing.load(template, weights, validate_access_integrity=False)
+    for key in template:
+        target = local_tensor(live[key])
+        if target.data_ptr() != loaded[key].data_ptr():
+            target.copy_(loaded[key])
+    log.info("Restored %d tensors from %s", len(template), checkpoint)

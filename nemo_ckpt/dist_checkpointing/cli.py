@@ -1,4 +1,4 @@
-"""``python -m nemo_ckpt inspect|consolidate``: look into and flatten distributed checkpoints."""
+"""``python -m nemo_ckpt inspect|consolidate|verify``: look into, flatten and check distributed checkpoints."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ import json
 import os
 import sys
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from .core import CheckpointingException, maybe_load_config
+from .integrity import print_progress, verify_checkpoint
 from .serialization import load_common_state_dict, load_plain_tensors
 from .strategies.torch import SafeFileSystemReader
 from .validation import verify_checkpoint_and_load_strategy
@@ -89,6 +91,23 @@ def consolidate(checkpoint_dir: str, out_path: str, fmt: str | None = None) -> d
     return tensors
 
 
+def verify(checkpoint: str, threads: int = 4) -> int:
+    """Print each corrupt range of ``checkpoint``; 0 if intact, 1 if corrupt, 2 if it holds no checksums."""
+    directory = Path(checkpoint)
+    if (directory / "weights").is_dir():
+        directory = directory / "weights"
+    corruptions = verify_checkpoint(directory, threads, print_progress)
+    if corruptions is None:
+        print(f"{directory}: no checksums stored (saved without them, or by another tool): nothing to verify")
+        return 2
+    for corruption in corruptions:
+        print(
+            f"CORRUPT {directory / corruption.file}: bytes [{corruption.start}, {corruption.stop}): {corruption.reason}"
+        )
+    print(f"{directory}: {'corrupt' if corruptions else 'intact'} ({len(corruptions)} corrupt ranges)")
+    return 1 if corruptions else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nemo_ckpt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,8 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     p_cons.add_argument("checkpoint")
     p_cons.add_argument("out")
     p_cons.add_argument("--format", choices=["torch", "safetensors"], default=None)
+    p_verify = sub.add_parser("verify", help="check every file against the checksums stored at save")
+    p_verify.add_argument("checkpoint", help="a checkpoint (its weights/ directory is found) or weights directory")
+    p_verify.add_argument("--threads", type=int, default=4, help="files checked in parallel")
     args = parser.parse_args(argv)
     try:
+        if args.command == "verify":
+            return verify(args.checkpoint, args.threads)
         if args.command == "inspect":
             info = describe(args.checkpoint, args.allow_unsafe_pickle)
             print(json.dumps(info, indent=2)) if args.json else _print_description(info)

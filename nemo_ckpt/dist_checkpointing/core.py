@@ -1,12 +1,14 @@
-"""Checkpoint-level metadata: ``metadata.json`` and the base exception."""
+"""Checkpoint-level metadata: ``metadata.json``, the base exception, durable writes."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 CONFIG_FNAME = "metadata.json"
 
@@ -50,10 +52,28 @@ def maybe_load_config(checkpoint_dir: str | Path) -> CheckpointingConfig | None:
         raise CheckpointingException(f"{config_path} is not a valid checkpoint config: {e}") from e
 
 
+def fsync_path(path: str | Path) -> None:
+    """Flush a file's data, or a directory's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Create ``path`` with ``write(file)``, and flush it to the disk before returning."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def save_config(config: CheckpointingConfig, checkpoint_dir: str | Path) -> None:
-    """Write ``metadata.json`` (atomically: a crash leaves either no file or a complete one)."""
+    """Write ``metadata.json`` atomically (a crash leaves either no file or a complete one) and durably (fsynced,
+    with its directory, so a power loss cannot leave an empty file)."""
     config_path = os.path.join(checkpoint_dir, CONFIG_FNAME)
     tmp_path = config_path + ".tmp"
-    with open(tmp_path, "w") as f:
-        json.dump(dataclasses.asdict(config), f)
+    write_durably(tmp_path, lambda f: f.write(json.dumps(dataclasses.asdict(config)).encode()))
     os.replace(tmp_path, config_path)
+    fsync_path(checkpoint_dir)

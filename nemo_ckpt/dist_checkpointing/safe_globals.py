@@ -16,10 +16,12 @@ import pickle
 import re
 import types
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import IO, Any
 
 import numpy
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 
 from .._compat import numpy_array_reconstructor
 from .core import CheckpointingException
@@ -76,10 +78,22 @@ def safe_torch_load(f: str | IO[bytes], where: str, allow_unsafe_pickle: bool = 
             f"arbitrary code. If you trust this checkpoint, pass allow_unsafe_pickle=True, or allow "
             f"the type with nemo_ckpt.dist_checkpointing.safe_globals.register_safe_globals([...])."
         ) from e
+    except Exception as e:  # a damaged zip or pickle: torch raises EOFError, RuntimeError, MemoryError, ...
+        raise CheckpointingException(
+            f"{where} is corrupt: {type(e).__name__}: {e}; `python -m nemo_ckpt verify` names the damaged file"
+        ) from e
+
+
+@dataclass
+class LegacyMCoreMetadata(Metadata):
+    """DCP metadata written by Megatron-Core <= 0.18 (its ``MCoreMetadata``): ``mcore_data[key]`` holds
+    ``nd_reformulated_orig_global_shape`` for each flattened-range tensor stored in its reformulated layout."""
+
+    mcore_data: dict[str, dict[str, Any]] | None = None
 
 
 class _LegacyMCorePlaceholder:
-    """Stands in for Megatron-Core classes pickled into old DCP ``.metadata`` files."""
+    """Stands in for Megatron-Core classes pickled into old DCP ``.metadata`` files (``MCoreSavePlan``)."""
 
     def __setstate__(self, state: Any) -> None:
         if isinstance(state, dict):
@@ -119,7 +133,7 @@ _PLAIN_CLASSES = {
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
 }
-_LEGACY_MCORE = {"MCoreMetadata", "MCoreSavePlan"}
+_LEGACY_MCORE = {"MCoreMetadata": LegacyMCoreMetadata, "MCoreSavePlan": _LegacyMCorePlaceholder}
 
 
 class DCPMetadataUnpickler(pickle.Unpickler):
@@ -133,5 +147,5 @@ class DCPMetadataUnpickler(pickle.Unpickler):
         ):
             return getattr(torch, name)
         if module.startswith("megatron.core.dist_checkpointing") and name in _LEGACY_MCORE:
-            return _LegacyMCorePlaceholder
+            return _LEGACY_MCORE[name]
         raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in DCP metadata")

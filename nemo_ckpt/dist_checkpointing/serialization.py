@@ -16,6 +16,7 @@ from typing import Any
 
 from .core import CONFIG_FNAME, CheckpointingConfig, CheckpointingException, save_config
 from .dict_utils import extract_matching_values, merge
+from .integrity import raise_if_corrupt
 from .mapping import (
     CommonStateDict,
     ShardedObject,
@@ -66,6 +67,7 @@ def load(
     validate_access_integrity: bool = True,
     strict: str | StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
     allow_unsafe_pickle: bool = False,
+    verify: bool = False,
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """Load the parts of a checkpoint described by ``sharded_state_dict``.
 
@@ -82,11 +84,16 @@ def load(
         strict: a :class:`StrictHandling` value (or its string) for key mismatches.
         allow_unsafe_pickle: unpickle common data and ShardedObjects without the
             allow-list. Only for trusted checkpoints.
+        verify: first check the checkpoint's files against their stored checksums (``integrity.py``) and raise
+            ``CorruptCheckpointError`` naming each corrupt file and byte range; checkpoints written without
+            checksums load as usual.
 
     Returns:
         The state dict, or ``(state_dict, missing_keys, unexpected_keys)`` for
         ``return_unexpected``/``return_all``.
     """
+    if verify:
+        raise_if_corrupt(checkpoint_dir)
     sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
         checkpoint_dir, sharded_strategy, common_strategy
     )

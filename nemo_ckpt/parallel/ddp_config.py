@@ -11,9 +11,35 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from nemo_ckpt.options import strict_options
+
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
+# Megatron-Core DistributedDataParallelConfig fields not implemented here, with what they mean there.
+MEGATRON_UNSUPPORTED = {
+    "use_distributed_optimizer": "shard the optimizer state over data-parallel ranks; set "
+    "data_parallel_sharding_strategy='optim' (ZeRO-1) or 'optim_grads_params' (FSDP2) instead",
+    "num_distributed_optimizer_instances": "replicas of the distributed optimizer across data-parallel groups",
+    "align_param_gather": "align the parameter all-gathers of pipeline stages; no pipeline parallelism here",
+    "check_for_large_grads": "raise on unexpectedly large gradients",
+    "pad_buckets_for_high_nccl_busbw": "pad gradient buckets to NCCL-friendly sizes",
+    "fp8_param_gather": "all-gather parameters in fp8 (Transformer Engine)",
+    "reuse_grad_buf_for_mxfp8_param_ag": "reuse the gradient buffer for MXFP8 parameter all-gathers",
+    "use_megatron_fsdp": "Megatron's own FSDP; set data_parallel_sharding_strategy='optim_grads_params' (FSDP2)",
+    "use_custom_fsdp": "Megatron's own FSDP; set data_parallel_sharding_strategy='optim_grads_params' (FSDP2)",
+    "gradient_reduce_div_fusion": "fuse the gradient division into the reduce-scatter (Megatron FSDP)",
+    "suggested_communication_unit_size": "Megatron FSDP's communication unit size",
+    "preserve_fp32_weights": "keep fp32 weights with fp8 parameters (Megatron FSDP)",
+    "keep_fp8_transpose_cache": "keep the fp8 transpose cache (Megatron FSDP)",
+    "nccl_ub": "NCCL user buffers for Megatron FSDP",
+    "fsdp_double_buffer": "double-buffered Megatron FSDP all-gathers",
+    "outer_dp_sharding_strategy": "hybrid sharding over an outer data-parallel group",
+    "disable_symmetric_registration": "NCCL symmetric memory registration",
+    "delay_wgrad_compute": "delay weight-gradient computation to overlap it with communication",
+}
 
+
+@strict_options(MEGATRON_UNSUPPORTED)
 @dataclass
 class DistributedDataParallelConfig:
     """Data-parallel sharding and communication.

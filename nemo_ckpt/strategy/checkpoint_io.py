@@ -1,6 +1,8 @@
 """`DistCheckpointIO`: Lightning's CheckpointIO on `nemo_ckpt.dist_checkpointing`, with NeMo's speed options."""
 
+import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,15 +14,19 @@ from nemo_ckpt import dist_checkpointing
 from nemo_ckpt.checkpoint.layout import weights_dir
 from nemo_ckpt.dist_checkpointing.mapping import ShardedBase
 from nemo_ckpt.dist_checkpointing.serialization import get_default_load_sharded_strategy
-from nemo_ckpt.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from nemo_ckpt.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncSaveFailure
 from nemo_ckpt.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
 )
 from nemo_ckpt.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from nemo_ckpt.dist_checkpointing.validation import parse_strict_flag
+from nemo_ckpt.options import strict_options
+
+log = logging.getLogger(__name__)
 
 OPTIMIZER_KEY_PREFIX = "optimizer."
+ASYNC_SAVE_FAILURE_POLICIES = ("raise", "warn")
 
 
 def _is_model_shard(sh: ShardedBase) -> bool:
@@ -31,6 +37,7 @@ def _is_optimizer_shard(sh: ShardedBase) -> bool:
     return sh.key.startswith(OPTIMIZER_KEY_PREFIX)
 
 
+@strict_options()
 @dataclass(frozen=True)
 class DistCheckpointOptions:
     """How checkpoints are written and read: NeMo's `MegatronStrategy` options, under the same names.
@@ -52,6 +59,12 @@ class DistCheckpointOptions:
     ckpt_load_directly_on_device: loaded tensors without a destination go to the current accelerator (loads
         into the template's tensors go there wherever they are).
     ckpt_load_strictness: a `StrictHandling` value for key mismatches.
+    ckpt_async_save_timeout: seconds an async save may take to write (from its start) before it fails on every
+        rank (None: no limit), so a stuck file system cannot block training forever.
+    ckpt_async_save_failure: what a failed async save does at its finalize: 'raise' (stop the run) or 'warn'
+        (log it, discard that checkpoint, keep training; the next interval saves again).
+    ckpt_verify_on_load: check a checkpoint's files against the checksums stored at save before loading it
+        (`python -m nemo_ckpt verify` does the same offline); checkpoints saved without checksums load as usual.
     """
 
     save_ckpt_format: str = "torch_dist"
@@ -64,6 +77,9 @@ class DistCheckpointOptions:
     ckpt_parallel_save_optim: bool = False
     ckpt_load_directly_on_device: bool = False
     ckpt_load_strictness: str | None = None
+    ckpt_async_save_timeout: float | None = None
+    ckpt_async_save_failure: str = "raise"
+    ckpt_verify_on_load: bool = False
 
     def __post_init__(self) -> None:
         if self.save_ckpt_format != "torch_dist":
@@ -79,18 +95,48 @@ class DistCheckpointOptions:
             )
         if self.ckpt_load_strictness is not None:
             parse_strict_flag(self.ckpt_load_strictness)
+        if self.ckpt_async_save_timeout is not None and self.ckpt_async_save_timeout <= 0:
+            raise ValueError(
+                f"MegatronStrategy(ckpt_async_save_timeout={self.ckpt_async_save_timeout}): use a positive number of "
+                "seconds, or None for no limit"
+            )
+        if self.ckpt_async_save_failure not in ASYNC_SAVE_FAILURE_POLICIES:
+            raise ValueError(
+                f"MegatronStrategy(ckpt_async_save_failure={self.ckpt_async_save_failure!r}): use one of "
+                f"{ASYNC_SAVE_FAILURE_POLICIES}"
+            )
 
 
+# NeMo's MegatronCheckpointIO arguments: here they are DistCheckpointOptions fields.
+MEGATRON_CHECKPOINT_IO_ARGUMENTS = {
+    name: f"MegatronCheckpointIO's `{name}`; pass DistCheckpointIO(DistCheckpointOptions(ckpt_{name}=...))"
+    for name in (
+        "async_save",
+        "torch_dist_multiproc",
+        "assume_constant_structure",
+        "parallel_save",
+        "parallel_save_within_dp",
+        "parallel_load",
+        "load_directly_on_device",
+    )
+} | {"save_ckpt_format": "MegatronCheckpointIO's `save_ckpt_format`; pass DistCheckpointOptions(save_ckpt_format=...)"}
+
+
+@strict_options(MEGATRON_CHECKPOINT_IO_ARGUMENTS)
 class DistCheckpointIO(CheckpointIO):
     """Saves a sharded checkpoint dict on every rank into `<path>/weights`, loads it back into a template,
     as `options` (a `DistCheckpointOptions`) say."""
 
     def __init__(self, options: DistCheckpointOptions | None = None) -> None:
         self.options = options or DistCheckpointOptions()
-        self.async_calls = AsyncCallsQueue() if self.options.ckpt_async_save else None
+        self.async_calls = self._new_async_queue() if self.options.ckpt_async_save else None
+        self._failure_fns: dict[int, Callable[[], None]] = {}
         self.data_parallel_group: ProcessGroup | None = None
         self._save_strategy = self._build_save_strategy()
         self._validated_sharding = False
+
+    def _new_async_queue(self) -> AsyncCallsQueue:
+        return AsyncCallsQueue(timeout=self.options.ckpt_async_save_timeout)
 
     def set_data_parallel_group(self, group: ProcessGroup | None) -> None:
         """The ranks that hold replicas of the same shards (None: the world); call before the first save."""
@@ -134,10 +180,13 @@ class DistCheckpointIO(CheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
         """Collective save. `storage_options={"finalize_fn": fn}`: `fn()` runs on every rank, in save order,
-        once the checkpoint is complete on all ranks (for async saves: in a later `maybe_finalize`)."""
+        once the checkpoint is complete on all ranks (for async saves: in a later `maybe_finalize`).
+        `"failure_fn": fn`: with `ckpt_async_save_failure='warn'`, `fn()` runs on every rank when this async save
+        failed, to discard it."""
         target = weights_dir(path)
         target.mkdir(parents=True, exist_ok=True)
         finalize_fn = (storage_options or {}).get("finalize_fn")
+        failure_fn = (storage_options or {}).get("failure_fn")
         validate = not (self.options.ckpt_assume_constant_structure and self._validated_sharding)
         self._validated_sharding = True
         if self.async_calls is None:
@@ -151,16 +200,31 @@ class DistCheckpointIO(CheckpointIO):
         )
         if finalize_fn is not None:
             request.add_finalize_fn(finalize_fn)
-        self.async_calls.schedule_async_request(request)
+        index = self.async_calls.schedule_async_request(request)
+        if failure_fn is not None:
+            self._failure_fns[index] = failure_fn
 
     def maybe_finalize(self, blocking: bool = False) -> list[int]:
         """Complete the async saves that every rank has finished writing (all of them if `blocking`).
 
-        Collective when saves are in flight; returns the finalized call indices.
+        Collective when saves are in flight; returns the finalized call indices. A failed save raises
+        `AsyncSaveFailure` on every rank, or with `ckpt_async_save_failure='warn'` is logged and discarded.
         """
-        if self.async_calls is None or self.async_calls.get_num_unfinalized_calls() == 0:
-            return []
-        return self.async_calls.maybe_finalize_async_calls(blocking=blocking)
+        finalized: list[int] = []
+        while self.async_calls is not None and self.async_calls.get_num_unfinalized_calls():
+            try:
+                finalized += self.async_calls.maybe_finalize_async_calls(blocking=blocking)
+                break
+            except AsyncSaveFailure as failure:
+                failure_fn = self._failure_fns.pop(failure.call_idx, None)
+                if self.options.ckpt_async_save_failure == "raise":
+                    raise
+                log.warning("%s; that checkpoint is discarded and training goes on", failure)
+                if failure_fn is not None:
+                    failure_fn()
+        for index in finalized:
+            self._failure_fns.pop(index, None)
+        return finalized
 
     def load_checkpoint(
         self,
@@ -175,7 +239,11 @@ class DistCheckpointIO(CheckpointIO):
         strictness = self.options.ckpt_load_strictness
         strict = {} if strictness is None else {"strict": strictness}
         return dist_checkpointing.load(
-            sharded_state_dict, source, sharded_strategy=self._load_strategy(source), **strict
+            sharded_state_dict,
+            source,
+            sharded_strategy=self._load_strategy(source),
+            verify=self.options.ckpt_verify_on_load,
+            **strict,
         )
 
     def remove_checkpoint(self, path: str | Path) -> None:
@@ -184,5 +252,8 @@ class DistCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         """Finish every async save in flight and stop the background writer."""
         if self.async_calls is not None:
-            self.async_calls.close()
-            self.async_calls = AsyncCallsQueue()
+            try:
+                self.maybe_finalize(blocking=True)
+            finally:
+                self.async_calls.close()
+                self.async_calls = self._new_async_queue()

@@ -8,12 +8,14 @@ resumes under any other sharding strategy and world size.
 
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -23,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
 from nemo_ckpt._compat import lightning_ddp_kwargs, optimizers_to_device
+from nemo_ckpt.options import UnsupportedOptionError, strict_options
 from nemo_ckpt.parallel.ddp import apply_ddp
 from nemo_ckpt.parallel.ddp_config import DistributedDataParallelConfig
 from nemo_ckpt.parallel.fsdp import apply_fsdp
@@ -57,6 +60,63 @@ def ddp_config_from(ddp: str | DistributedDataParallelConfig) -> DistributedData
     )
 
 
+# NeMo MegatronStrategy options this strategy does not implement, with what they mean in NeMo.
+NEMO_UNSUPPORTED = {
+    "pipeline_model_parallel_comm_backend": "the backend of pipeline-parallel send/recv; no pipeline parallelism here",
+    "microbatch_group_size_per_vp_stage": "micro-batches per virtual pipeline stage; no pipeline parallelism here",
+    "encoder_tensor_model_parallel_size": "tensor parallelism of an encoder (encoder-decoder models)",
+    "encoder_pipeline_model_parallel_size": "pipeline stages of an encoder (encoder-decoder models)",
+    "moe_extended_tp": "experts sharded over tensor-parallel ranks; no mixture of experts here",
+    "num_distributed_optimizer_instances": "replicas of Megatron's distributed optimizer; ZeRO-1 here is "
+    "data_parallel_sharding_strategy='optim'",
+    "data_sampler": "NeMo's MegatronDataSampler; the data module's sampler is used here",
+    "fsdp": "'megatron' or 'pytorch' FSDP; set ddp.data_parallel_sharding_strategy='optim_grads_params' (FSDP2)",
+    "lazy_init": "build the model without allocating weights; use init_model_with_meta_device=True",
+    "pipeline_dtype": "the dtype of pipeline-parallel activations; no pipeline parallelism here",
+    "use_te_rng_tracker": "Transformer Engine's CUDA RNG tracker; no Transformer Engine here",
+    "use_sharp": "SHARP in-network reductions for NCCL",
+    "ckpt_load_optimizer": "whether a resume loads the optimizer state; it always does here (weights-only "
+    "checkpoints are skipped by AutoResume)",
+    "ckpt_save_optimizer": "whether checkpoints hold the optimizer state; use ModelCheckpoint(save_weights_only=...)",
+    "ckpt_load_on_device": "load checkpoint tensors straight to the GPU; use ckpt_load_directly_on_device",
+    "ckpt_load_main_params": "load fp32 main parameters of a mixed-precision optimizer as the model weights",
+    "ckpt_optim_fully_reshardable": "Megatron's fully reshardable distributed-optimizer format; optimizer state is "
+    "always reshardable here",
+    "setup_optimizers": "skip building optimizers at setup",
+    "init_model_parallel": "skip Megatron's model-parallel initialization",
+    "replace_progress_bar": "NeMo's MegatronProgressBar",
+    "progress_interval": "the MegatronProgressBar refresh interval",
+    "restore_config": "NeMo's RestoreConfig (load weights from a pretrained checkpoint); use AutoResume",
+    "megatron_log_level": "Megatron-Core's log level",
+    "nccl_communicator_config_path": "NCCL communicator settings from a YAML file",
+    "use_tp_pp_dp_mapping": "rank order tp-pp-dp instead of tp-dp-pp",
+    "account_for_embedding_in_pipeline_split": "count the embedding as a pipeline layer; no pipeline parallelism",
+    "account_for_loss_in_pipeline_split": "count the loss as a pipeline layer; no pipeline parallelism",
+    "checkpoint_io": "a custom CheckpointIO; checkpoints go through DistCheckpointIO, set by the ckpt_* options",
+    "ddp_comm_state": "a DDP communication hook's state (Lightning); gradients are reduced as `ddp` configures",
+    "ddp_comm_hook": "a DDP communication hook (Lightning); gradients are reduced as `ddp` configures",
+    "ddp_comm_wrapper": "a DDP communication hook wrapper (Lightning); gradients are reduced as `ddp` configures",
+    "model_averaging_period": "Lightning's post-local SGD model averaging",
+    "bucket_cap_mb": "DDP's bucket size in MB; set ddp.bucket_size (elements) instead",
+}
+# NeMo parallelisms this strategy does not implement: accepted at their NeMo default only.
+NEMO_PARALLELISM_DEFAULTS = {
+    "pipeline_model_parallel_size": (1, "layers split into pipeline stages over ranks"),
+    "virtual_pipeline_model_parallel_size": (None, "interleaved pipeline stages per rank"),
+    "context_parallel_size": (1, "sequences split over ranks (ring attention)"),
+    "expert_model_parallel_size": (1, "mixture-of-experts experts spread over ranks"),
+    "expert_tensor_parallel_size": (None, "tensor parallelism within experts"),
+}
+# torch DistributedDataParallel's options, passed through as in Lightning's DDPStrategy.
+DDP_DEFAULTS = {
+    "find_unused_parameters": False,
+    "gradient_as_bucket_view": False,
+    "static_graph": False,
+    "broadcast_buffers": True,
+}
+
+
+@strict_options(NEMO_UNSUPPORTED)
 class MegatronStrategy(DDPStrategy):
     """Data-parallel training (DDP, ZeRO-1 or FSDP2 from `ddp`) with sharded, reshardable checkpoints.
 
@@ -70,6 +130,13 @@ class MegatronStrategy(DDPStrategy):
     by module with `reset_parameters` while sharding, so no rank ever holds the whole model.
     bf16 mixed precision comes from the Trainer (`precision="bf16-mixed"`): fp32 parameters (the master
     weights), bf16 compute, gradients reduced in fp32 if `ddp.grad_reduce_in_fp32`, else in bf16.
+    `ckpt_*`: `DistCheckpointOptions`. `pipeline_model_parallel_size`, `virtual_pipeline_model_parallel_size`,
+    `context_parallel_size`, `expert_model_parallel_size`, `expert_tensor_parallel_size`: only NeMo's defaults
+    (no such parallelism here). `find_unused_parameters`, `gradient_as_bucket_view`, `static_graph`,
+    `broadcast_buffers`: torch DDP's, used with `ddp` `no_shard` or `optim` without tensor parallelism.
+    `parallel_devices`, `cluster_environment`, `process_group_backend`, `timeout`: Lightning's DDPStrategy's.
+    Any other argument is an error: a misspelt one names the closest option, a NeMo option not implemented here
+    says what it means in NeMo (`NEMO_UNSUPPORTED`).
     """
 
     def __init__(
@@ -88,8 +155,42 @@ class MegatronStrategy(DDPStrategy):
         ckpt_parallel_save_optim: bool = False,
         ckpt_load_directly_on_device: bool = False,
         ckpt_load_strictness: str | None = None,
-        **ddp_kwargs: Any,
+        ckpt_async_save_timeout: float | None = None,
+        ckpt_async_save_failure: str = "raise",
+        ckpt_verify_on_load: bool = False,
+        pipeline_model_parallel_size: int = 1,
+        virtual_pipeline_model_parallel_size: int | None = None,
+        context_parallel_size: int = 1,
+        expert_model_parallel_size: int = 1,
+        expert_tensor_parallel_size: int | None = None,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        broadcast_buffers: bool = True,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = timedelta(minutes=30),
     ) -> None:
+        parallelism = {
+            "pipeline_model_parallel_size": pipeline_model_parallel_size,
+            "virtual_pipeline_model_parallel_size": virtual_pipeline_model_parallel_size,
+            "context_parallel_size": context_parallel_size,
+            "expert_model_parallel_size": expert_model_parallel_size,
+            "expert_tensor_parallel_size": expert_tensor_parallel_size,
+        }
+        for name, (default, meaning) in NEMO_PARALLELISM_DEFAULTS.items():
+            if parallelism[name] != default:
+                raise UnsupportedOptionError(
+                    f"MegatronStrategy: not supported: {name}={parallelism[name]!r} (NeMo meaning: {meaning}); "
+                    f"leave it at {default!r}"
+                )
+        ddp_kwargs = {
+            "find_unused_parameters": find_unused_parameters,
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+            "static_graph": static_graph,
+            "broadcast_buffers": broadcast_buffers,
+        }
         checkpoint_io = DistCheckpointIO(
             DistCheckpointOptions(
                 save_ckpt_format=save_ckpt_format,
@@ -102,12 +203,27 @@ class MegatronStrategy(DDPStrategy):
                 ckpt_parallel_save_optim=ckpt_parallel_save_optim,
                 ckpt_load_directly_on_device=ckpt_load_directly_on_device,
                 ckpt_load_strictness=ckpt_load_strictness,
+                ckpt_async_save_timeout=ckpt_async_save_timeout,
+                ckpt_async_save_failure=ckpt_async_save_failure,
+                ckpt_verify_on_load=ckpt_verify_on_load,
             )
         )
-        if "bucket_cap_mb" in ddp_kwargs:
-            raise ValueError("MegatronStrategy(bucket_cap_mb=...): set ddp.bucket_size (elements) instead")
-        super().__init__(checkpoint_io=checkpoint_io, **ddp_kwargs)
+        super().__init__(
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            **ddp_kwargs,
+        )
         self.ddp_config = ddp_config_from(ddp)
+        changed = [name for name, default in DDP_DEFAULTS.items() if ddp_kwargs[name] != default]
+        if changed and (self.ddp_config.shards_parameters or tensor_model_parallel_size > 1):
+            raise ValueError(
+                f"MegatronStrategy({changed[0]}={ddp_kwargs[changed[0]]!r}) is an option of torch DDP, which is not "
+                "used with FSDP2 (ddp.data_parallel_sharding_strategy='optim_grads[_params]') or tensor parallelism; "
+                "remove it"
+            )
         if tensor_model_parallel_size < 1:
             raise ValueError(
                 f"MegatronStrategy(tensor_model_parallel_size={tensor_model_parallel_size}): use 1 or more"

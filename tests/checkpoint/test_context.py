@@ -1,9 +1,17 @@
-"""A checkpoint's `context/`: stored configs rebuild their objects, including configs written before classes moved."""
+"""A checkpoint's `context/`: stored configs rebuild their objects, including configs written before classes moved;
+a config naming anything outside the allow-list is refused before it is imported (unless `trust_code=True`)."""
+
+import json
+import re
+import subprocess
 
 import fiddle as fdl
+import pytest
+import torch
 from fiddle.experimental import serialization
+from lightning.pytorch.callbacks import ModelSummary
 
-from nemo_ckpt.checkpoint import context
+from nemo_ckpt.checkpoint import AutoResume, context
 from nemo_ckpt.models import GPTModel, gpt_config
 from nemo_ckpt.optim import OptimizerConfig
 
@@ -26,3 +34,48 @@ def test_config_written_by_0_1_names_the_old_modules_and_still_loads(tmp_path):
     (tmp_path / "context" / "model.json").write_text(old)
     rebuilt = fdl.build(context.load_context(tmp_path, "model"))
     assert isinstance(rebuilt, GPTModel) and rebuilt.config == model.config
+
+
+def _write_config(checkpoint, config) -> None:
+    (checkpoint / "context").mkdir(parents=True, exist_ok=True)
+    (checkpoint / "context" / "model.json").write_text(serialization.dump_json(config))
+
+
+def test_config_naming_subprocess_is_refused_before_it_runs(tmp_path):
+    marker = tmp_path / "ran"
+    _write_config(tmp_path, fdl.Config(subprocess.run, ["touch", str(marker)]))
+    with pytest.raises(context.UntrustedConfigError, match=r"`subprocess.run`.*trust_code=True"):
+        context.load_model(tmp_path, load_weights=False)
+    with pytest.raises(context.UntrustedConfigError, match="subprocess.run"):
+        AutoResume(restore_config=True).restore_model(tmp_path, model=None)
+    assert not marker.exists()
+    fdl.build(context.load_context(tmp_path, "model", trust_code=True))  # the documented opt-in
+    assert marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        ("builtins", "eval"),
+        ("os", "system"),
+        ("nemo_ckpt.checkpoint.context", "json.loads"),  # re-exported by an allowed module
+        ("nemo_ckpt.checkpoint.context", "IOMixin.__init_subclass__.__globals__"),
+        ("torch", "load"),
+    ],
+)
+def test_symbols_outside_the_allow_list_are_refused(tmp_path, module, name):
+    model = GPTModel(gpt_config("tiny", num_layers=1))
+    raw = json.loads(serialization.dump_json(model.__io__))
+    raw["objects"]["buildable_traverser_metadata_1"]["items"][0][1] = {"type": "pyref", "module": module, "name": name}
+    (tmp_path / "context").mkdir()
+    (tmp_path / "context" / "model.json").write_text(json.dumps(raw))
+    with pytest.raises(context.UntrustedConfigError, match=re.escape(f"`{module}.{name}`")):
+        context.load_context(tmp_path)
+
+
+def test_torch_and_lightning_types_of_recipes_are_allowed(tmp_path):
+    config = fdl.Config(dict, optim=fdl.Partial(torch.optim.AdamW, lr=0.1), summary=fdl.Config(ModelSummary, 2))
+    _write_config(tmp_path, config)
+    built = fdl.build(context.load_context(tmp_path))
+    assert built["optim"].func is torch.optim.AdamW and built["optim"].keywords == {"lr": 0.1}
+    assert isinstance(built["summary"], ModelSummary) and built["summary"]._max_depth == 2

@@ -104,3 +104,21 @@ def test_parallel_within_data_parallel_groups(tmp_path):
     assert all(size > 0 for size in file_sizes), f"every rank of each DP group writes: {file_sizes}"
     whole = dc.load_plain_tensors(tmp_path)
     assert all(torch.equal(whole[f"layer{i}"], replicated_tensor(i)) for i in range(len(SIZES)))
+
+
+@pytest.mark.parametrize("exchange_algo", ["broadcast", "gather_object", "gather_rounds"])
+def test_megatron_api_names_build_the_parallel_strategies(tmp_path, exchange_algo):
+    from nemo_ckpt.dist_checkpointing import serialization
+
+    save = FullyParallelSaveStrategyWrapper(serialization.get_default_save_sharded_strategy("torch_dist", 1))
+    dc.save(replicated_state(0), tmp_path, save)
+    load = FullyParallelLoadStrategyWrapper(
+        serialization.get_default_load_sharded_strategy(tmp_path), None, False, exchange_algo=exchange_algo
+    )
+    loaded = dc.load(replicated_state(0, template=True), tmp_path, load)
+    assert all(torch.equal(loaded[f"layer{i}"], replicated_tensor(i)) for i in range(len(SIZES)))
+
+
+def test_unknown_exchange_algo_is_refused():
+    with pytest.raises(ValueError, match="exchange_algo='scatter'.*'gather_rounds'"):
+        FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), exchange_algo="scatter")

@@ -18,6 +18,7 @@ import fiddle as fdl
 import lightning.pytorch as pl
 import nemo_run as run
 
+from nemo_ckpt.logger.runs import version_dirs
 from recipes import pretrain_recipe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,8 +86,8 @@ def step_dir(directory: Path, step: int) -> Path:
 
 
 def losses(directory: Path) -> dict[int, float]:
-    """The logged training loss of each step."""
-    with open(directory / RUN_NAME / "logs" / "metrics.csv") as handle:
+    """The training loss of each step, as the latest run (NeMoLogger version) under `directory` logged it."""
+    with open(version_dirs(directory / RUN_NAME)[-1] / "metrics.csv") as handle:
         return {
             int(row["step"]): float(row["reduced_train_loss"])
             for row in csv.DictReader(handle)

@@ -78,3 +78,12 @@ def test_recipes_configure_data_parallelism():
     large = gpt.llama3_8b()
     assert large.trainer.strategy.ddp.data_parallel_sharding_strategy == "optim_grads_params"
     assert large.trainer.strategy.init_model_with_meta_device and large.trainer.precision == "bf16-mixed"
+
+
+def test_misspelt_and_megatron_only_options_are_named():
+    with pytest.raises(TypeError, match=r"unknown option `bucket_sz`; did you mean `bucket_size`\?"):
+        DistributedDataParallelConfig(bucket_sz=10)
+    with pytest.raises(ValueError, match=r"not supported: use_distributed_optimizer \(NeMo meaning: .*'optim'"):
+        DistributedDataParallelConfig(use_distributed_optimizer=True)
+    with pytest.raises(AttributeError, match="bucket_sz"):
+        run.Config(DistributedDataParallelConfig).bucket_sz = 10

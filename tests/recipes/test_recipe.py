@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,7 @@ def test_recipe_is_an_editable_partial_of_pretrain(tmp_path):
 
 
 def test_cli_dryrun_prints_resolved_config():
+    activated = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # torchrun
     result = subprocess.run(
         [
             str(Path(sys.executable).with_name("nemo")),
@@ -47,6 +49,7 @@ def test_cli_dryrun_prints_resolved_config():
         capture_output=True,
         text=True,
         timeout=120,
+        env=activated,
     )
     assert result.returncode == 0, result.stderr
     out = "".join(result.stdout.split())

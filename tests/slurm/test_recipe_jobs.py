@@ -11,6 +11,7 @@ import nemo_run as run
 import pytest
 
 from launch.slurm import slurm_executor
+from nemo_ckpt.logger.runs import version_dirs
 from recipes import pretrain_recipe
 from tests.slurm.cluster import SlurmCluster
 
@@ -49,8 +50,8 @@ def checkpoint_of(log_dir: Path, step: int) -> Path:
 
 
 def logged_steps(log_dir: Path) -> list[int]:
-    """Training steps in the CSV metrics of the latest run (a new run replaces the file)."""
-    with open(log_dir / "tiny" / "logs" / "metrics.csv") as handle:
+    """Training steps in the CSV metrics of the latest run (NeMoLogger version)."""
+    with open(version_dirs(log_dir / "tiny")[-1] / "metrics.csv") as handle:
         return [int(row["step"]) for row in csv.DictReader(handle) if row["reduced_train_loss"]]
 
 

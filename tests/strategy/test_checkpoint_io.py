@@ -99,3 +99,18 @@ def test_strategy_takes_every_checkpoint_option_with_its_default():
         assert parameters[field.name].default == field.default, field.name
     strategy = MegatronStrategy(ckpt_async_save=True, ckpt_torch_dist_multiproc=3)
     assert strategy.checkpoint_io.options == DistCheckpointOptions(ckpt_async_save=True, ckpt_torch_dist_multiproc=3)
+
+
+def test_misspelt_options_and_megatron_checkpoint_io_arguments_are_named():
+    from nemo_ckpt.checkpoint import ModelCheckpoint
+
+    with pytest.raises(TypeError, match=r"unknown option `ckpt_async_sav`; did you mean `ckpt_async_save`\?"):
+        DistCheckpointOptions(ckpt_async_sav=True)
+    with pytest.raises(ValueError, match=r"not supported: async_save .*DistCheckpointOptions\(ckpt_async_save=...\)"):
+        DistCheckpointIO(async_save=True)
+    with pytest.raises(TypeError, match=r"did you mean `every_n_train_steps`\?"):
+        ModelCheckpoint(every_n_train_step=5)
+    with pytest.raises(ValueError, match="ckpt_async_save_failure='ignore'"):
+        DistCheckpointOptions(ckpt_async_save_failure="ignore")
+    with pytest.raises(ValueError, match="ckpt_async_save_timeout=0"):
+        DistCheckpointOptions(ckpt_async_save_timeout=0)

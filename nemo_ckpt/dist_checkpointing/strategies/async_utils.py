@@ -4,14 +4,17 @@ Names and semantics follow Megatron-Core's ``dist_checkpointing.strategies.async
 an :class:`AsyncRequest` holds a function that writes the data (run by a persistent background
 worker, while training goes on) and finalize functions (run on the training side, in order, once
 the write is done on every rank). :class:`AsyncCallsQueue` schedules requests and finalizes them.
-A write that failed on any rank raises a :class:`CheckpointingException` on every rank at the
-next finalize; the failed request's finalize functions do not run.
+A write that failed on any rank raises an :class:`AsyncSaveFailure` on every rank at the
+next finalize; the failed request's finalize functions do not run. With a ``timeout``, a write
+still running that many seconds after it was scheduled counts as failed (a stuck file system
+cannot block training forever); its thread is abandoned and later writes get a new one.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,11 +70,20 @@ class AsyncRequest(NamedTuple):
         return self._replace(is_frozen=True)
 
 
+class AsyncSaveFailure(CheckpointingException):
+    """An async save failed (or timed out) on some rank; ``call_idx`` is its index in the queue."""
+
+    def __init__(self, message: str, call_idx: int) -> None:
+        super().__init__(message)
+        self.call_idx = call_idx
+
+
 @dataclass
 class _Call:
     request: AsyncRequest
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    scheduled_at: float = field(default_factory=time.monotonic)
 
 
 class AsyncCaller:
@@ -135,13 +147,15 @@ class AsyncCallsQueue:
     """Async saves in flight, finalized in order.
 
     ``schedule_async_request`` and ``maybe_finalize_async_calls`` are collective: call them on every
-    rank of ``group`` (default: the whole world), the same number of times.
+    rank of ``group`` (default: the whole world), the same number of times. ``timeout``: seconds a
+    write may take from its scheduling before it counts as failed (None: no limit).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, timeout: float | None = None) -> None:
         self.async_calls: deque[_ActiveAsyncRequest] = deque()
         self.call_idx = -1
         self.group = group
+        self.timeout = timeout
         self._caller: AsyncCaller | None = None
 
     def schedule_async_request(self, async_request: AsyncRequest) -> int:
@@ -163,7 +177,7 @@ class AsyncCallsQueue:
         while self.async_calls:
             idx, call = self.async_calls[0]
             if blocking:
-                call.done.wait()
+                call.done.wait(None if self.timeout is None else max(0.0, self._time_left(call)))
             if not self._done_everywhere(idx, call, no_dist):
                 break
             self.async_calls.popleft()
@@ -172,7 +186,13 @@ class AsyncCallsQueue:
             finalized.append(idx)
         return finalized
 
+    def _time_left(self, call: _Call) -> float:
+        return call.scheduled_at + self.timeout - time.monotonic()
+
     def _done_everywhere(self, idx: int, call: _Call, no_dist: bool) -> bool:
+        if not call.done.is_set() and self.timeout is not None and self._time_left(call) <= 0:
+            call.error = TimeoutError(f"the write did not finish within ckpt_async_save_timeout={self.timeout} s")
+            self._caller = None  # the stuck thread is left behind; the next save gets a new one
         done, failed = call.done.is_set(), call.error is not None
         if not no_dist and dist.is_initialized():
             flags = torch.tensor(
@@ -188,7 +208,8 @@ class AsyncCallsQueue:
             done, failed = not not_done, bool(any_failed)
         if failed:
             self.async_calls.popleft()
-            raise _failure(f"Async checkpoint save #{idx}", call.error)
+            failure = _failure(f"Async checkpoint save #{idx}", call.error)
+            raise AsyncSaveFailure(str(failure), idx) from call.error
         return done
 
     def get_num_unfinalized_calls(self) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..core import CheckpointingException
+from ..core import CheckpointingException, fsync_path, write_durably
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
 from ..safe_globals import UnsafeCheckpointError, safe_torch_load
@@ -32,14 +32,15 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
 
     def save_common(self, common_state_dict: StateDict, checkpoint_dir: Path) -> None:
         if get_rank() == 0:
-            torch.save(common_state_dict, os.path.join(checkpoint_dir, COMMON_STATE_FNAME))
+            write_durably(os.path.join(checkpoint_dir, COMMON_STATE_FNAME), lambda f: torch.save(common_state_dict, f))
 
     def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
         for sh_obj in nested_values(sharded_objects_state_dict):
             if is_main_replica(sh_obj.replica_id):
                 path = os.path.join(checkpoint_dir, sh_obj.unique_key + ".pt")
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                torch.save(sh_obj.data, path)
+                write_durably(path, lambda f, data=sh_obj.data: torch.save(data, f))
+                fsync_path(os.path.dirname(path))
 
 
 class TorchCommonLoadStrategy(LoadCommonStrategy):

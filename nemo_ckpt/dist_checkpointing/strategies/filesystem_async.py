@@ -6,10 +6,10 @@
 2. ``write`` (any thread): each file ``__<rank>_<i>.distcp`` by its own thread, fsynced; every item
    serialized as ``torch.distributed.checkpoint.FileSystemWriter`` does (a ``torch.save`` zip), with
    or without the zip's CRC-32s (``torch.load`` never checks them; computing them is most of a
-   save's CPU time).
+   save's CPU time). Each item's CRC32C is computed as it is written (see ``integrity.py``).
 3. ``finish`` (training side, collective): gather the write results; the coordinator writes DCP's
-   ``.metadata`` (atomically, fsynced). With a :class:`MetadataCache`, ranks whose shards have the
-   same structure as last time send nothing but their write results.
+   ``.metadata`` (atomically, fsynced) and ``checksums.json``. With a :class:`MetadataCache`, ranks
+   whose shards have the same structure as last time send nothing but their write results.
 
 No planning collective is needed: the items are already deduplicated (main replicas only).
 """
@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..._compat import StorageInfo, dcp_write_item, write_tensor_without_crc
 from ..core import CheckpointingException
+from ..integrity import CHECKSUMS_FNAME, FileRanges, extend, file_checksum, write_checksums
 from .async_utils import AsyncRequest
 
 DCP_METADATA_FNAME = ".metadata"
@@ -147,6 +148,7 @@ class FileSystemWriterAsync:
         cache: MetadataCache | None = None,
         crc32: bool = True,
         staging: StagingBuffers | None = None,
+        checksums: bool = True,
     ) -> None:
         if thread_count < 1:
             raise ValueError(f"thread_count={thread_count}: use 1 or more writer threads (files) per rank")
@@ -155,6 +157,7 @@ class FileSystemWriterAsync:
         self.cache = cache
         self.crc32 = crc32
         self.staging = staging
+        self.checksums: FileRanges | None = {} if checksums else None
         self.release_staging: Callable[[], None] = lambda: None
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.items: list[WriteItem] = []
@@ -186,9 +189,9 @@ class FileSystemWriterAsync:
             self.release_staging()
 
     def _write_file(self, name: str, items: list[WriteItem]) -> list[WriteResult]:
-        results = []
+        results, ranges = [], []
         with open(self.checkpoint_dir / name, "wb") as file:
-            stream = DeferredErrorStream(file)
+            stream = DeferredErrorStream(file, checksum=self.checksums is not None)
             for item in items:
                 data = self.data[item.index]
                 if isinstance(data, io.BytesIO):
@@ -197,7 +200,11 @@ class FileSystemWriterAsync:
                     results.append(dcp_write_item(stream, data, item, name))
                 else:
                     results.append(_write_tensor_item_without_crc(stream, data, item, name))
+                info = results[-1].storage_data
+                ranges.append([info.offset, info.length, stream.take_checksum()])
             stream.raise_deferred_error()
+            if self.checksums is not None:
+                self.checksums[name] = ranges
             file.flush()
             os.fsync(file.fileno())
         return results
@@ -206,7 +213,7 @@ class FileSystemWriterAsync:
         """Collective: gather write results; the coordinator (rank 0) writes ``.metadata``."""
         cache = self.cache
         unchanged = cache is not None and cache.local_items == self.items
-        payload = (None if unchanged else self.items, self.results)
+        payload = (None if unchanged else self.items, self.results, self.checksums)
         gathered = [None] * dist.get_world_size() if dist.is_initialized() else None
         if dist.is_initialized():
             dist.gather_object(payload, gathered if self.rank == 0 else None, dst=0)
@@ -229,11 +236,11 @@ class FileSystemWriterAsync:
 
     def _write_metadata(self, gathered: list) -> None:
         cache = self.cache or MetadataCache()
-        all_items = [items if items is not None else cache.all_items[rank] for rank, (items, _) in enumerate(gathered)]
-        if any(items is not None for items, _ in gathered) or not cache.state_dict_metadata:
+        all_items = [items if items is not None else cache.all_items[rank] for rank, (items, *_) in enumerate(gathered)]
+        if any(items is not None for items, *_ in gathered) or not cache.state_dict_metadata:
             cache.state_dict_metadata = build_state_dict_metadata(all_items)
             cache.all_items = all_items
-        storage_data = {wr.index: wr.storage_data for _, results in gathered for wr in results}
+        storage_data = {wr.index: wr.storage_data for _, results, _ in gathered for wr in results}
         metadata = Metadata(
             state_dict_metadata=cache.state_dict_metadata,
             storage_data=storage_data,
@@ -246,6 +253,19 @@ class FileSystemWriterAsync:
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(tmp, self.checkpoint_dir / DCP_METADATA_FNAME)
+        self._write_checksums([checksums for *_, checksums in gathered])
+
+    def _write_checksums(self, per_rank: list[FileRanges | None]) -> None:
+        """Every rank's item checksums, and whole-file ones of ``.metadata`` and ``common.pt``, into
+        ``checksums.json`` (a stale one is removed when checksums are off)."""
+        if any(ranges is None for ranges in per_rank):
+            (self.checkpoint_dir / CHECKSUMS_FNAME).unlink(missing_ok=True)
+            return
+        files = {name: r for ranges in per_rank for name, r in ranges.items()}
+        for name in (DCP_METADATA_FNAME, "common.pt"):
+            if (self.checkpoint_dir / name).is_file():
+                files[name] = [file_checksum(self.checkpoint_dir / name)]
+        write_checksums(self.checkpoint_dir, files)
 
 
 class DeferredErrorStream:
@@ -255,13 +275,17 @@ class DeferredErrorStream:
     the process; here the first error is kept, later writes are dropped, and `raise_deferred_error` raises it.
     """
 
-    def __init__(self, file: io.BufferedWriter) -> None:
+    def __init__(self, file: io.BufferedWriter, checksum: bool = False) -> None:
         self.file = file
         self.error: OSError | None = None
         self.position = file.tell()
+        self.checksum = checksum
+        self.crc = 0
 
     def write(self, data) -> int:
         size = memoryview(data).nbytes
+        if self.checksum:
+            self.crc = extend(self.crc, data)
         if self.error is None:
             try:
                 self.file.write(data)
@@ -272,6 +296,11 @@ class DeferredErrorStream:
 
     def tell(self) -> int:
         return self.position
+
+    def take_checksum(self) -> int:
+        """The CRC32C of the bytes written since the last call (0 when not computed)."""
+        crc, self.crc = self.crc, 0
+        return crc
 
     def flush(self) -> None:
         """Data reaches the disk at the end of the file's write, with one flush and fsync."""
@@ -316,8 +345,9 @@ def save_request(
     cache: MetadataCache | None = None,
     crc32: bool = True,
     staging: StagingBuffers | None = None,
+    checksums: bool = True,
 ) -> AsyncRequest:
     """Stage the data now; the request writes it (``async_fn``) and finishes the DCP checkpoint (finalize)."""
-    writer = FileSystemWriterAsync(checkpoint_dir, thread_count, cache, crc32, staging)
+    writer = FileSystemWriterAsync(checkpoint_dir, thread_count, cache, crc32, staging, checksums)
     writer.prepare_write_data(items, data, copy=copy_to_cpu)
     return AsyncRequest(writer.write, (), [writer.finish])

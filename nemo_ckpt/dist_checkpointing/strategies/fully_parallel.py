@@ -126,6 +126,9 @@ class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
         distribute_main_replicas_with_precomputed_distribution(sharded_state_dict, distribution, self.include)
 
 
+EXCHANGE_ALGORITHMS = ("broadcast", "gather_object", "gather_rounds")
+
+
 class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
     """Reads each tensor shard needed by several ranks of ``parallelization_group`` once, then broadcasts it.
 
@@ -133,6 +136,8 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         strategy: the strategy that reads.
         parallelization_group: ranks that share the reading (default: world).
         do_cache_distribution: compute who reads what once and reuse it (constant structure).
+        exchange_algo: Megatron-Core's choice of how the read shards are exchanged ('broadcast', 'gather_object',
+            'gather_rounds'); accepted for compatibility, the shards are always broadcast from their reader.
     """
 
     def __init__(
@@ -140,8 +145,14 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         strategy: LoadShardedStrategy,
         parallelization_group: dist.ProcessGroup | None = None,
         do_cache_distribution: bool = False,
+        exchange_algo: str = "broadcast",
     ) -> None:
+        if exchange_algo not in EXCHANGE_ALGORITHMS:
+            raise ValueError(
+                f"FullyParallelLoadStrategyWrapper(exchange_algo={exchange_algo!r}): use one of {EXCHANGE_ALGORITHMS}"
+            )
         self.base_strategy = strategy
+        self.exchange_algo = exchange_algo
         self.parallelization_group = parallelization_group
         self.do_cache_distribution = do_cache_distribution
         self.cached_distribution: ShardDistribution | None = None

@@ -10,11 +10,13 @@ layout. Every ShardedObject is a DCP bytes item named by its ``unique_key`` hold
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import os
 import pickle
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,6 +156,8 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
             zip tools report the entries as corrupt. Saves take about half the CPU time.
         reuse_staging_buffers: keep the CPU copies of an async save (and of GPU shards) for the next
             save, which copies into them instead of into new memory (see :class:`StagingBuffers`).
+        checksums: compute a CRC32C of every written item in the writer threads and store them in
+            ``checksums.json`` (see ``integrity.py``), for ``verify``.
     """
 
     def __init__(
@@ -164,8 +168,10 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         cached_metadata: bool = False,
         crc32: bool = True,
         reuse_staging_buffers: bool = False,
+        checksums: bool = True,
     ) -> None:
         super().__init__(backend, version)
+        self.checksums = checksums
         self.thread_count = thread_count
         self.cached_metadata = cached_metadata
         self.crc32 = crc32
@@ -179,14 +185,30 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
         items, data = build_write_items(sharded_state_dict)
         save_request(
-            items, data, checkpoint_dir, self.thread_count, False, self._metadata_cache, self.crc32, self._staging
+            items,
+            data,
+            checkpoint_dir,
+            self.thread_count,
+            False,
+            self._metadata_cache,
+            self.crc32,
+            self._staging,
+            self.checksums,
         ).execute_sync()
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> AsyncRequest:
         """Copy this rank's main replicas to CPU now; the request writes them and finishes the checkpoint."""
         items, data = build_write_items(sharded_state_dict)
         return save_request(
-            items, data, checkpoint_dir, self.thread_count, True, self._metadata_cache, self.crc32, self._staging
+            items,
+            data,
+            checkpoint_dir,
+            self.thread_count,
+            True,
+            self._metadata_cache,
+            self.crc32,
+            self._staging,
+            self.checksums,
         )
 
 
@@ -227,10 +249,11 @@ class SafeFileSystemReader(FileSystemReader):
                     f"Refused to read {path}: {e}. If you trust this checkpoint, pass allow_unsafe_pickle=True."
                 ) from e
             raise CheckpointingException(f"{path} is corrupt: {e}") from e
-        except (EOFError, ValueError, AttributeError, TypeError) as e:
+        except (EOFError, ValueError, AttributeError, TypeError, KeyError, IndexError, MemoryError, OverflowError) as e:
             raise CheckpointingException(f"{path} is corrupt: {e!r}") from e
         if not isinstance(metadata, Metadata):
             raise CheckpointingException(f"{path} does not hold DCP metadata (got {type(metadata)})")
+        _check_metadata_fields(metadata, path)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -347,8 +370,15 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 raise CheckpointingException(f"Unexpected entity to load: {type(sh_base)}")
 
         items: list[ReadItem] = []
-        for key, key_chunks in chunks.items():
-            items += _tensor_read_items(key, key_chunks, by_key[key], metadata, checkpoint_dir)
+        copy_backs: list[Callable[[], None]] = []
+        for key, key_chunks in list(chunks.items()):
+            if _is_reformulated(metadata, by_key[key]):
+                cells, copy_back = _reformulated_cells(key_chunks, by_key[key], metadata.state_dict_metadata[key])
+                chunks[key] = cells
+                copy_backs.append(copy_back)
+                items += _tensor_read_items(key, cells, by_key[key], metadata, checkpoint_dir, reformulated=True)
+            else:
+                items += _tensor_read_items(key, key_chunks, by_key[key], metadata, checkpoint_dir)
         for unique_key in objects:
             md = metadata.state_dict_metadata.get(unique_key)
             if not isinstance(md, BytesStorageMetadata):
@@ -360,6 +390,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
         planner = _ChunkLoadPlanner(items, chunks, checkpoint_dir, self.allow_unsafe_pickle)
         _dcp_load(reader, planner, checkpoint_dir)
+        for copy_back in copy_backs:
+            copy_back()
 
         def unwrap(x: Any) -> Any:
             if isinstance(x, ShardedTensor):
@@ -372,9 +404,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
         metadata = self._reader(checkpoint_dir).read_metadata()
+        mcore_data = getattr(metadata, "mcore_data", None) or {}
         return {
             key: ShardedTensor.from_rank_offsets(
-                key, torch.empty(md.size, dtype=md.properties.dtype, device="meta")
+                key, torch.empty(_original_shape(key, md, mcore_data), dtype=md.properties.dtype, device="meta")
             ).without_data()
             for key, md in metadata.state_dict_metadata.items()
             if isinstance(md, TensorStorageMetadata)
@@ -391,6 +424,27 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         return sharded_metadata
 
 
+def _check_metadata_fields(metadata: Metadata, path: str) -> None:
+    """Raise a clear error if unpickled metadata lacks the fields loading reads (a damaged ``.metadata``)."""
+    try:
+        for info in (metadata.storage_data or {}).values():
+            int(info.offset), int(info.length), str(info.relative_path)
+        for md in metadata.state_dict_metadata.values():
+            if isinstance(md, TensorStorageMetadata):
+                torch.Size(md.size), md.properties.dtype
+                for chunk in md.chunks:
+                    torch.Size(chunk.offsets), torch.Size(chunk.sizes)
+            elif not isinstance(md, BytesStorageMetadata):
+                raise TypeError(f"unexpected entry {type(md).__name__}")
+    except (AttributeError, TypeError, ValueError) as e:
+        raise CheckpointingException(f"{path} is corrupt: {e!r}") from e
+
+
+def _original_shape(key: str, md: TensorStorageMetadata, mcore_data: dict[str, dict[str, Any]]) -> tuple[int, ...]:
+    """A stored tensor's shape, or for Megatron-Core <= 0.18's reformulated flattened tensors their real one."""
+    return tuple(mcore_data.get(key, {}).get("nd_reformulated_orig_global_shape", md.size))
+
+
 def _prepare_for_load(sh_ten: ShardedTensor, device: torch.device) -> None:
     """Allocate missing data; zero it where the checkpoint may not cover everything."""
     if sh_ten.data is None:
@@ -401,8 +455,71 @@ def _prepare_for_load(sh_ten: ShardedTensor, device: torch.device) -> None:
             sh_ten.data.zero_()
 
 
+def _is_reformulated(metadata: Metadata, sh_ten: ShardedTensor) -> bool:
+    """Whether the checkpoint stores ``sh_ten``'s key in Megatron-Core <= 0.18's layout for flattened-range
+    tensors: shape ``fragmentation + (numel of a local shard,)``, one row per local shard, flat."""
+    mcore_data = getattr(metadata, "mcore_data", None) or {}
+    original = mcore_data.get(sh_ten.key, {}).get("nd_reformulated_orig_global_shape")
+    md = metadata.state_dict_metadata.get(sh_ten.key)
+    return (
+        original is not None
+        and tuple(original) == sh_ten.global_shape
+        and isinstance(md, TensorStorageMetadata)
+        and tuple(md.size) != sh_ten.global_shape
+    )
+
+
+def _reformulated_cells(
+    chunks: list[_Chunk], sh_ten: ShardedTensor, md: TensorStorageMetadata
+) -> tuple[list[_Chunk], Callable[[], None]]:
+    """Read plan for a tensor in the reformulated layout: the stored rows (local shards of the saving layout)
+    that ``chunks`` overlap, as chunks of the stored tensor into new buffers, and a function that copies them
+    into ``chunks`` once read."""
+    global_shape = sh_ten.global_shape
+    fragmentation = tuple(md.size[:-1])
+    cell_shape = tuple(g // f for g, f in zip(global_shape, fragmentation))
+    if len(fragmentation) != len(global_shape) or math.prod(cell_shape) != md.size[-1]:
+        raise CheckpointingException(
+            f"Key '{sh_ten.key}' is stored flattened with shape {tuple(md.size)}, which does not split "
+            f"its original shape {global_shape} into equal local shards"
+        )
+    buffers: dict[tuple[int, ...], torch.Tensor] = {}
+    overlaps: list[tuple[_Chunk, tuple[int, ...]]] = []
+    for chunk in chunks:
+        ranges = [
+            range(o // c, (o + s - 1) // c + 1) for o, s, c in zip(chunk.offsets, chunk.sizes, cell_shape) if s > 0
+        ]
+        if len(ranges) < len(cell_shape):
+            continue
+        for cell in itertools.product(*ranges):
+            if cell not in buffers:
+                buffers[cell] = torch.empty(md.size[-1], dtype=sh_ten.dtype, device=chunk.tensor.device)
+            overlaps.append((chunk, cell))
+    cells = [
+        _Chunk(cell + (0,), (1,) * len(cell) + (md.size[-1],), buffer.view((1,) * len(cell) + (-1,)))
+        for cell, buffer in buffers.items()
+    ]
+
+    def copy_back() -> None:
+        for chunk, cell in overlaps:
+            cell_offset = [i * c for i, c in zip(cell, cell_shape)]
+            low = [max(o, co) for o, co in zip(chunk.offsets, cell_offset)]
+            high = [min(o + s, co + c) for o, s, co, c in zip(chunk.offsets, chunk.sizes, cell_offset, cell_shape)]
+            source = buffers[cell].view(cell_shape)[
+                tuple(slice(lo - co, hi - co) for lo, hi, co in zip(low, high, cell_offset))
+            ]
+            chunk.tensor[tuple(slice(lo - o, hi - o) for lo, hi, o in zip(low, high, chunk.offsets))].copy_(source)
+
+    return cells, copy_back
+
+
 def _tensor_read_items(
-    key: str, chunks: list[_Chunk], sh_ten: ShardedTensor, metadata: Metadata, checkpoint_dir: Path
+    key: str,
+    chunks: list[_Chunk],
+    sh_ten: ShardedTensor,
+    metadata: Metadata,
+    checkpoint_dir: Path,
+    reformulated: bool = False,
 ) -> list[ReadItem]:
     md = metadata.state_dict_metadata.get(key)
     if md is None:
@@ -412,7 +529,7 @@ def _tensor_read_items(
         )
     if not isinstance(md, TensorStorageMetadata):
         raise CheckpointingException(f"Key '{key}' in checkpoint {checkpoint_dir} is an object, not a tensor")
-    if tuple(md.size) != sh_ten.global_shape and not sh_ten.allow_shape_mismatch:
+    if tuple(md.size) != sh_ten.global_shape and not (sh_ten.allow_shape_mismatch or reformulated):
         raise CheckpointingException(
             f"Global shape mismatch for key '{key}' in checkpoint {checkpoint_dir}: "
             f"stored {tuple(md.size)}, requested {sh_ten.global_shape}"

@@ -1,0 +1,48 @@
+"""Megatron's pretraining sampler and the data-parallel coordinates it shards by (shared by the data modules)."""
+
+from collections.abc import Iterator
+
+import lightning.pytorch as pl
+from torch.utils.data import Sampler
+
+
+class PretrainingSampler(Sampler[list[int]]):
+    """Megatron's pretraining sampler: this rank's micro-batches, starting after `consumed_samples`."""
+
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+    ) -> None:
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.data_parallel_size = data_parallel_size
+
+    def _starts(self) -> range:
+        stride = self.micro_batch_size * self.data_parallel_size
+        last = self.total_samples - stride + 1
+        return range(self.consumed_samples, max(last, self.consumed_samples), stride)
+
+    def __len__(self) -> int:
+        """Micro-batches of the whole pass, consumed ones included (as Megatron's sampler): a resumed Lightning
+        epoch counts its batches from the epoch's start, so it ends where the uninterrupted one does."""
+        return self.total_samples // (self.micro_batch_size * self.data_parallel_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        offset = self.data_parallel_rank * self.micro_batch_size
+        for start in self._starts():
+            yield list(range(start + offset, start + offset + self.micro_batch_size))
+
+
+def data_parallel_rank_and_size(trainer: pl.Trainer) -> tuple[int, int]:
+    """This process's data-parallel rank and the data-parallel size: the strategy's `dp` mesh where it has one
+    (tensor-parallel ranks share their data), else the trainer's global rank and world size."""
+    mesh = getattr(trainer.strategy, "data_parallel_mesh", None)
+    if mesh is None:
+        return trainer.global_rank, trainer.world_size
+    return mesh.get_local_rank(), mesh.size()

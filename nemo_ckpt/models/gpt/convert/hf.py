@@ -1,0 +1,363 @@
+"""Hugging Face Llama (`LlamaForCausalLM`) <-> our GPT checkpoints.
+
+`import_hf` turns a local Hugging Face directory (`config.json` + `*.safetensors`, sharded or not) into a checkpoint
+of ours: `weights/` (a `dist_checkpointing` checkpoint under the keys training uses, e.g.
+`module.layers.0.self_attention.q_proj.weight`), `context/model.json` (a `GPTModel` with the `GPTConfig` derived
+from `config.json`) and `context/hf/` (the source's config, generation config and tokenizer files, for the export).
+`export_hf` writes a checkpoint of any layout (single process, FSDP2, TP: keys and tensors are layout-independent)
+back to a directory `transformers.AutoModelForCausalLM` and `AutoTokenizer` load.
+
+Both stream: the import memory-maps the source files, the export reads and writes one tensor at a time. Both
+write to a temporary name beside the output and rename it at the end, so an output is whole or absent.
+
+The weights need no permutation: Hugging Face's Llama checkpoints and our `apply_rotary` both use the rotate-half
+rotary layout (pairs `(i, i + head_dim / 2)`), and our q/k/v/o and gate/up/down projections are Llama's.
+"""
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fiddle as fdl
+import torch
+
+from nemo_ckpt import dist_checkpointing
+from nemo_ckpt.checkpoint.context import load_context, save_context
+from nemo_ckpt.checkpoint.layout import TMP_PREFIX, hf_artifacts_dir, is_complete, weights_dir
+from nemo_ckpt.dist_checkpointing import ShardedTensor
+from nemo_ckpt.models.gpt.convert.safetensors_io import TensorSpec, open_model_weights, write_model_weights
+from nemo_ckpt.models.gpt.lightning import GPTModel
+from nemo_ckpt.models.gpt.model import GPT, GPTConfig
+
+ARCHITECTURE = "LlamaForCausalLM"
+CONFIG_FILE = "config.json"
+ARTIFACT_FILES = (
+    CONFIG_FILE,
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
+VOCAB_KEYS = ("module.embedding.weight", "module.output_layer.weight")
+IGNORED_HF_KEYS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+# (ours, Hugging Face) key patterns; `{}` is the layer number.
+_LAYER_KEYS = (
+    ("input_layernorm.weight", "input_layernorm.weight"),
+    ("self_attention.q_proj.weight", "self_attn.q_proj.weight"),
+    ("self_attention.k_proj.weight", "self_attn.k_proj.weight"),
+    ("self_attention.v_proj.weight", "self_attn.v_proj.weight"),
+    ("self_attention.o_proj.weight", "self_attn.o_proj.weight"),
+    ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+    ("mlp.gate_proj.weight", "mlp.gate_proj.weight"),
+    ("mlp.up_proj.weight", "mlp.up_proj.weight"),
+    ("mlp.down_proj.weight", "mlp.down_proj.weight"),
+)
+_GLOBAL_KEYS = {
+    "module.embedding.weight": "model.embed_tokens.weight",
+    "module.final_layernorm.weight": "model.norm.weight",
+    "module.output_layer.weight": "lm_head.weight",
+}
+
+
+def hf_key_map(config: GPTConfig) -> dict[str, str]:
+    """Our checkpoint key -> the Hugging Face Llama key, for every tensor of a GPT with `config`."""
+    keys = {ours: hf for ours, hf in _GLOBAL_KEYS.items()}
+    if config.share_embeddings_and_output_weights:
+        del keys["module.output_layer.weight"]
+    for layer in range(config.num_layers):
+        for ours, hf in _LAYER_KEYS:
+            keys[f"module.layers.{layer}.{ours}"] = f"model.layers.{layer}.{hf}"
+    return keys
+
+
+def gpt_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Our checkpoint key -> shape, for every tensor of a GPT with `config` (built on `meta`, no memory)."""
+    with torch.device("meta"):
+        module = GPT(config)
+    return {f"module.{key}": tuple(tensor.shape) for key, tensor in module.state_dict().items()}
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
+    """`vocab_size` rounded up to a multiple of `divisible_by` (Megatron's `make_vocab_size_divisible_by`)."""
+    if divisible_by < 1:
+        raise ValueError(f"make_vocab_size_divisible_by={divisible_by}: use 1 (no padding) or more")
+    return -(-vocab_size // divisible_by) * divisible_by
+
+
+def _rope_theta(hf: dict[str, Any], path: Path) -> float:
+    rope = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise ValueError(
+            f"{path}: rope type {rope_type!r} (rope_scaling / rope_parameters) is not supported; our GPT implements "
+            "the default rotary embedding only"
+        )
+    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def gpt_config_from_hf(hf: dict[str, Any], path: Path, make_vocab_size_divisible_by: int = 1) -> GPTConfig:
+    """The `GPTConfig` of a Hugging Face Llama `config.json` (read from `path`); bad fields raise, naming them."""
+    architectures = hf.get("architectures") or [hf.get("model_type")]
+    if ARCHITECTURE not in architectures and hf.get("model_type") != "llama":
+        raise ValueError(f"{path}: architectures={architectures} is not supported; only {ARCHITECTURE} converts")
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    missing = [key for key in required if key not in hf]
+    if missing:
+        raise ValueError(f"{path} lacks {missing}, which a Llama config.json holds")
+    unsupported = {
+        "hidden_act": (hf.get("hidden_act", "silu"), "silu"),
+        "attention_bias": (hf.get("attention_bias", False), False),
+        "mlp_bias": (hf.get("mlp_bias", False), False),
+    }
+    for key, (value, supported) in unsupported.items():
+        if value != supported:
+            raise ValueError(f"{path}: {key}={value!r} is not supported (our GPT has {key}={supported!r})")
+    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, head_dim):
+        raise ValueError(
+            f"{path}: head_dim={hf['head_dim']} differs from hidden_size / num_attention_heads = {head_dim}, "
+            "which our GPT requires"
+        )
+    return GPTConfig(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_attention_heads=hf["num_attention_heads"],
+        num_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        ffn_hidden_size=hf["intermediate_size"],
+        vocab_size=padded_vocab_size(hf["vocab_size"], make_vocab_size_divisible_by),
+        seq_length=hf.get("max_position_embeddings", 2048),
+        rotary_base=_rope_theta(hf, path),
+        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        init_method_std=hf.get("initializer_range", 0.02),
+        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+    )
+
+
+def hf_config_from_gpt(config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """A Hugging Face Llama `config.json` for a GPT with `config` (for checkpoints not imported from one)."""
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_query_groups,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.ffn_hidden_size,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.seq_length,
+        "rope_theta": config.rotary_base,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rotary_base},
+        "rms_norm_eps": config.layernorm_epsilon,
+        "initializer_range": config.init_method_std,
+        "tie_word_embeddings": config.share_embeddings_and_output_weights,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+@dataclass(frozen=True)
+class _Output:
+    """An output directory written under a temporary name beside it and renamed into place at the end."""
+
+    path: Path
+    overwrite: bool
+
+    def __post_init__(self) -> None:
+        if self.path.exists() and not self.overwrite:
+            raise FileExistsError(f"{self.path} already exists; choose another output or pass overwrite=True")
+
+    @property
+    def tmp(self) -> Path:
+        return self.path.parent / f"{TMP_PREFIX}{self.path.name}"
+
+    def start(self) -> Path:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        return self.tmp
+
+    def commit(self) -> Path:
+        if self.path.exists():
+            shutil.rmtree(self.path)
+        self.tmp.rename(self.path)
+        return self.path
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _check_tokenizer(source: Path, vocab_size: int) -> None:
+    tokenizer_file = source / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        return
+    from tokenizers import Tokenizer
+
+    size = Tokenizer.from_file(str(tokenizer_file)).get_vocab_size(with_added_tokens=True)
+    if size > vocab_size:
+        raise ValueError(
+            f"{tokenizer_file} has {size} tokens but {source / CONFIG_FILE} has vocab_size={vocab_size}: the "
+            "tokenizer does not belong to these weights"
+        )
+
+
+def import_hf(
+    source: str | Path, output: str | Path, make_vocab_size_divisible_by: int = 1, overwrite: bool = False
+) -> Path:
+    """Convert the Hugging Face Llama directory `source` into our checkpoint at `output`; return `output`.
+
+    The vocabulary is padded with zero rows to a multiple of `make_vocab_size_divisible_by`. Tensors keep their
+    dtype (bf16 stays bf16; training loads them into its own parameter dtype).
+    """
+    source = Path(source)
+    out = _Output(Path(output), overwrite)
+    config_path = source / CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} does not exist: pass a local Hugging Face model directory")
+    hf = json.loads(config_path.read_text())
+    config = gpt_config_from_hf(hf, config_path, make_vocab_size_divisible_by)
+    _check_tokenizer(source, hf["vocab_size"])
+    tensors = open_model_weights(source)
+    tensors = {key: value for key, value in tensors.items() if not IGNORED_HF_KEYS.fullmatch(key)}
+    key_map = hf_key_map(config)
+    if config.share_embeddings_and_output_weights:
+        tensors.pop(_GLOBAL_KEYS["module.output_layer.weight"], None)  # a tied lm_head is a copy of the embedding
+    unexpected = sorted(set(tensors) - set(key_map.values()))
+    missing = sorted(set(key_map.values()) - set(tensors))
+    if unexpected or missing:
+        raise ValueError(
+            f"{source}: the weights do not match {config_path} (a {config.num_layers}-layer Llama): "
+            f"missing {missing[:8]}, unexpected {unexpected[:8]}"
+        )
+    shapes = gpt_shapes(config)
+    state = {}
+    for ours, hf_key in key_map.items():
+        tensor = tensors[hf_key]
+        if ours in VOCAB_KEYS and tensor.shape[0] == hf["vocab_size"] < config.vocab_size:
+            padding = tensor.new_zeros(config.vocab_size - tensor.shape[0], *tensor.shape[1:])
+            tensor = torch.cat([tensor, padding])
+        if tuple(tensor.shape) != shapes[ours]:
+            raise ValueError(
+                f"{source}: tensor {hf_key!r} has shape {list(tensor.shape)}, but {config_path} implies "
+                f"{list(shapes[ours])}"
+            )
+        state[ours] = ShardedTensor.from_rank_offsets(ours, tensor, replica_id=0)
+    tmp = out.start()
+    try:
+        target = weights_dir(tmp)
+        target.mkdir()
+        dist_checkpointing.save({"state_dict": state}, target, content_metadata={"source": "hf", "path": str(source)})
+        save_context(tmp, model=GPTModel(config))
+        artifacts = hf_artifacts_dir(tmp)
+        artifacts.mkdir(parents=True)
+        for name in ARTIFACT_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, artifacts / name)
+    except BaseException:
+        out.abort()
+        raise
+    return out.commit()
+
+
+def checkpoint_gpt_config(checkpoint: Path) -> GPTConfig:
+    """The `GPTConfig` stored in `checkpoint`'s `context/model.json`."""
+    model = load_context(checkpoint, "model")
+    if not (isinstance(model, fdl.Config) and issubclass(fdl.get_callable(model), GPTModel)):
+        raise ValueError(f"{checkpoint}: its context/model.json builds {fdl.get_callable(model)}, not a GPTModel")
+    return fdl.build(model.config)
+
+
+def checkpoint_tensor_reader(checkpoint: Path) -> tuple[dict[str, ShardedTensor], Callable[[str], torch.Tensor]]:
+    """The tensors' metadata of `checkpoint`'s weights and a function loading one whole tensor by key."""
+    if not is_complete(checkpoint):
+        raise FileNotFoundError(f"{checkpoint} is not a complete checkpoint: {weights_dir(checkpoint)} is missing")
+    weights = weights_dir(checkpoint)
+    metadata = dist_checkpointing.load_tensors_metadata(weights)
+
+    def read(key: str) -> torch.Tensor:
+        if key not in metadata:
+            raise KeyError(f"{checkpoint} holds no tensor {key!r}: it is not a full GPT checkpoint of its config")
+        template = {key: metadata[key].without_data()}  # a fresh template: a load keeps its tensor in the one given
+        return dist_checkpointing.load(template, weights, validate_access_integrity=False)[key]
+
+    return metadata, read
+
+
+def export_hf(
+    checkpoint: str | Path,
+    output: str | Path,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    artifacts_from: str | Path | None = None,
+    overwrite: bool = False,
+    read_tensor: Callable[[str], torch.Tensor] | None = None,
+) -> Path:
+    """Write our GPT checkpoint `checkpoint` as a Hugging Face Llama directory at `output`; return `output`.
+
+    `config.json`, the generation config and the tokenizer come from the `context/hf/` of `artifacts_from`
+    (default: `checkpoint`), when it has one; else the config is made from the GPT's. The vocabulary is cut back
+    to the config's `vocab_size` (undoing the import's padding). `dtype`: of the written weights (default: the
+    config's `dtype`, else the checkpoint's). Weight files hold at most `max_shard_size` bytes each.
+    `read_tensor`: loads one of our tensors by key (default: from `checkpoint`'s weights).
+    """
+    checkpoint = Path(checkpoint)
+    out = _Output(Path(output), overwrite)
+    config = checkpoint_gpt_config(checkpoint)
+    if read_tensor is None:
+        metadata, read_tensor = checkpoint_tensor_reader(checkpoint)
+        stored_dtype = metadata["module.embedding.weight"].dtype
+    else:
+        stored_dtype = read_tensor("module.final_layernorm.weight").dtype
+    artifacts = hf_artifacts_dir(artifacts_from if artifacts_from is not None else checkpoint)
+    if (artifacts / CONFIG_FILE).is_file():
+        hf = json.loads((artifacts / CONFIG_FILE).read_text())
+        stored_config = gpt_config_from_hf(hf, artifacts / CONFIG_FILE)
+        if (stored_config.hidden_size, stored_config.num_layers) != (config.hidden_size, config.num_layers):
+            raise ValueError(
+                f"{artifacts / CONFIG_FILE} describes another model than {checkpoint} (hidden_size, num_layers "
+                f"{stored_config.hidden_size, stored_config.num_layers} vs {config.hidden_size, config.num_layers})"
+            )
+    else:
+        hf = hf_config_from_gpt(config, stored_dtype)
+    dtype = dtype or getattr(torch, hf.get("dtype") or hf.get("torch_dtype") or "", None) or stored_dtype
+    hf["dtype"] = str(dtype).removeprefix("torch.")
+    hf.pop("torch_dtype", None)
+    vocab_size = hf["vocab_size"]
+    shapes = gpt_shapes(config)
+    key_map = hf_key_map(config)
+    ours_of = {hf_key: ours for ours, hf_key in key_map.items()}
+    specs = []
+    for ours, hf_key in key_map.items():
+        shape = shapes[ours]
+        if ours in VOCAB_KEYS:
+            shape = (vocab_size, *shape[1:])
+        specs.append(TensorSpec(hf_key, dtype, shape))
+
+    def produce(hf_key: str) -> torch.Tensor:
+        ours = ours_of[hf_key]
+        tensor = read_tensor(ours)
+        if ours in VOCAB_KEYS:
+            tensor = tensor[:vocab_size]
+        return tensor.to(dtype)
+
+    tmp = out.start()
+    try:
+        write_model_weights(tmp, specs, produce, max_shard_size)
+        (tmp / CONFIG_FILE).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+        for name in ARTIFACT_FILES[1:]:
+            if (artifacts / name).is_file():
+                shutil.copy2(artifacts / name, tmp / name)
+    except BaseException:
+        out.abort()
+        raise
+    return out.commit()

@@ -1,0 +1,197 @@
+"""Megatron-Core GPT naming (NeMo 2.0 `torch_dist` checkpoints of Llama models) <-> our GPT keys.
+
+Megatron-Core's GPT (`megatron.core.models.gpt.GPTModel`, Transformer Engine layer spec) stores, under NeMo 2.0's
+`module.` prefix and with the layers of the decoder stacked along a leading axis of size `num_layers`
+(`decoder.layers.<name>`, global shape `[num_layers, ...]`, as `TransformerBlock.sharded_state_dict` writes
+homogeneous layers):
+
+    embedding.word_embeddings.weight                 <- embedding.weight
+    decoder.layers.self_attention.linear_qkv.weight  <- q/k/v_proj, interleaved per query group:
+                                                        [q heads of group 0, k0, v0, q heads of group 1, k1, v1, ...]
+    decoder.layers.self_attention.linear_qkv.layer_norm_weight  <- input_layernorm.weight (fused into the linear)
+    decoder.layers.self_attention.linear_proj.weight <- o_proj
+    decoder.layers.mlp.linear_fc1.weight             <- [gate_proj; up_proj] (SwiGLU: silu(first half) * second)
+    decoder.layers.mlp.linear_fc1.layer_norm_weight  <- pre_mlp_layernorm.weight
+    decoder.layers.mlp.linear_fc2.weight             <- down_proj
+    decoder.final_layernorm.weight                   <- final_layernorm.weight
+    output_layer.weight                              <- output_layer.weight (absent with tied embeddings)
+
+The local (non-Transformer-Engine) spec's `input_layernorm.weight` / `pre_mlp_layernorm.weight` names are read
+too. Both use the rotate-half rotary layout (`rotary_interleaved=False`), as we do. This follows Megatron-Core's
+documented layout; megatron-core itself is not installed here to compare against.
+"""
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from nemo_ckpt import dist_checkpointing
+from nemo_ckpt.checkpoint.context import save_context
+from nemo_ckpt.checkpoint.layout import weights_dir
+from nemo_ckpt.dist_checkpointing import ShardedTensor
+from nemo_ckpt.models.gpt.convert.hf import _Output, checkpoint_gpt_config, checkpoint_tensor_reader, gpt_shapes
+from nemo_ckpt.models.gpt.lightning import GPTModel
+from nemo_ckpt.models.gpt.model import GPTConfig
+
+NEMO_PREFIX = "module."
+QKV = "decoder.layers.self_attention.linear_qkv.weight"
+FC1 = "decoder.layers.mlp.linear_fc1.weight"
+# Megatron-Core key (without prefix) -> our per-layer key, for the stacked tensors that map one to one.
+_LAYER_KEYS = {
+    "decoder.layers.self_attention.linear_proj.weight": "self_attention.o_proj.weight",
+    "decoder.layers.self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "decoder.layers.mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "decoder.layers.mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_LOCAL_SPEC_NORMS = {
+    "decoder.layers.input_layernorm.weight": "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+    "decoder.layers.pre_mlp_layernorm.weight": "decoder.layers.mlp.linear_fc1.layer_norm_weight",
+}
+_GLOBAL_KEYS = {
+    "embedding.word_embeddings.weight": "module.embedding.weight",
+    "decoder.final_layernorm.weight": "module.final_layernorm.weight",
+    "output_layer.weight": "module.output_layer.weight",
+}
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    """Megatron-Core's `linear_qkv` weight: q, k and v rows interleaved per query group."""
+    groups, head_dim = config.num_query_groups, config.head_dim
+    q = q.reshape(groups, -1, q.shape[-1])
+    k = k.reshape(groups, head_dim, k.shape[-1])
+    v = v.reshape(groups, head_dim, v.shape[-1])
+    return torch.cat([q, k, v], dim=1).reshape(-1, q.shape[-1])
+
+
+def split_qkv(qkv: torch.Tensor, config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v weights of Megatron-Core's interleaved `linear_qkv` weight."""
+    groups, head_dim = config.num_query_groups, config.head_dim
+    q_rows = config.num_attention_heads // groups * head_dim
+    grouped = qkv.reshape(groups, q_rows + 2 * head_dim, qkv.shape[-1])
+    q, k, v = grouped.split([q_rows, head_dim, head_dim], dim=1)
+    return (
+        q.reshape(-1, qkv.shape[-1]).contiguous(),
+        k.reshape(-1, qkv.shape[-1]).contiguous(),
+        v.reshape(-1, qkv.shape[-1]).contiguous(),
+    )
+
+
+def to_megatron(read: Callable[[str], torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Megatron-Core's GPT state (keys without the `module.` prefix, layers stacked) from our tensors (`read(key)`)."""
+    layers = range(config.num_layers)
+
+    def stack(make: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        return torch.stack([make(f"module.layers.{i}.") for i in layers])
+
+    state = {
+        QKV: stack(
+            lambda p: fuse_qkv(
+                read(p + "self_attention.q_proj.weight"),
+                read(p + "self_attention.k_proj.weight"),
+                read(p + "self_attention.v_proj.weight"),
+                config,
+            )
+        ),
+        FC1: stack(lambda p: torch.cat([read(p + "mlp.gate_proj.weight"), read(p + "mlp.up_proj.weight")])),
+    }
+    for megatron_key, ours in _LAYER_KEYS.items():
+        state[megatron_key] = stack(lambda p, ours=ours: read(p + ours))
+    for megatron_key, ours in _GLOBAL_KEYS.items():
+        if ours != "module.output_layer.weight" or not config.share_embeddings_and_output_weights:
+            state[megatron_key] = read(ours)
+    return state
+
+
+def from_megatron(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Our GPT tensors from Megatron-Core's GPT state (keys without the `module.` prefix, layers stacked)."""
+    state = {_LOCAL_SPEC_NORMS.get(key, key): value for key, value in state.items()}
+    expected = {QKV, FC1, *_LAYER_KEYS, *_GLOBAL_KEYS}
+    if config.share_embeddings_and_output_weights:
+        expected.discard("output_layer.weight")
+        state.pop("output_layer.weight", None)
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(f"Megatron-Core GPT state: missing {missing}, unexpected {unexpected}")
+    expected_shapes = megatron_shapes(config)
+    wrong = [
+        f"{key}: {list(state[key].shape)} vs {list(shape)}"
+        for key, shape in expected_shapes.items()
+        if tuple(state[key].shape) != shape
+    ]
+    if wrong:
+        raise ValueError(
+            f"Megatron-Core GPT state does not match the GPTConfig given (stored vs expected): {wrong[:8]}"
+        )
+    ours = {}
+    for megatron_key, key in _GLOBAL_KEYS.items():
+        if megatron_key in state:
+            ours[key] = state[megatron_key]
+    for i in range(config.num_layers):
+        prefix = f"module.layers.{i}."
+        q, k, v = split_qkv(state[QKV][i], config)
+        ours[prefix + "self_attention.q_proj.weight"] = q
+        ours[prefix + "self_attention.k_proj.weight"] = k
+        ours[prefix + "self_attention.v_proj.weight"] = v
+        gate, up = state[FC1][i].chunk(2)
+        ours[prefix + "mlp.gate_proj.weight"] = gate.contiguous()
+        ours[prefix + "mlp.up_proj.weight"] = up.contiguous()
+        for megatron_key, key in _LAYER_KEYS.items():
+            ours[prefix + key] = state[megatron_key][i]
+    return ours
+
+
+def megatron_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Megatron-Core key (without prefix) -> shape, for a GPT with `config` (computed on `meta`, no memory)."""
+    shapes = gpt_shapes(config)
+    state = to_megatron(lambda key: torch.empty(shapes[key], device="meta"), config)
+    return {key: tuple(tensor.shape) for key, tensor in state.items()}
+
+
+def _save_weights(checkpoint: Path, tensors: dict[str, torch.Tensor]) -> None:
+    target = weights_dir(checkpoint)
+    target.mkdir(parents=True)
+    state = {key: ShardedTensor.from_rank_offsets(key, tensor, replica_id=0) for key, tensor in tensors.items()}
+    dist_checkpointing.save({"state_dict": state}, target)
+
+
+def import_megatron(
+    source: str | Path, output: str | Path, config: GPTConfig, prefix: str = NEMO_PREFIX, overwrite: bool = False
+) -> Path:
+    """Our checkpoint at `output` from the Megatron-Core / NeMo 2.0 GPT checkpoint `source` (its `weights/`
+    directory, or a `dist_checkpointing` directory itself) of a Llama model with `config`."""
+    source = Path(source)
+    out = _Output(Path(output), overwrite)
+    weights = weights_dir(source) if weights_dir(source).is_dir() else source
+    metadata = dist_checkpointing.load_tensors_metadata(weights)
+    keys = [key for key in metadata if key.startswith(prefix) and not key.startswith("optimizer.")]
+    state = dist_checkpointing.load({key: metadata[key] for key in keys}, weights, validate_access_integrity=False)
+    ours = from_megatron({key.removeprefix(prefix): state[key] for key in keys}, config)
+    tmp = out.start()
+    try:
+        _save_weights(tmp, ours)
+        save_context(tmp, model=GPTModel(config))
+    except BaseException:
+        out.abort()
+        raise
+    return out.commit()
+
+
+def export_megatron(
+    checkpoint: str | Path, output: str | Path, prefix: str = NEMO_PREFIX, overwrite: bool = False
+) -> Path:
+    """Our GPT checkpoint written in Megatron-Core's naming (`weights/` with `<prefix>decoder.layers...`), with
+    our `context/model.json` beside it."""
+    checkpoint = Path(checkpoint)
+    out = _Output(Path(output), overwrite)
+    config = checkpoint_gpt_config(checkpoint)
+    _, read = checkpoint_tensor_reader(checkpoint)
+    state = to_megatron(read, config)
+    tmp = out.start()
+    try:
+        _save_weights(tmp, {prefix + key: tensor for key, tensor in state.items()})
+        save_context(tmp, model=GPTModel(config))
+    except BaseException:
+        out.abort()
+        raise
+    return out.commit()

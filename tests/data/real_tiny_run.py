@@ -1,0 +1,59 @@
+"""The tiny recipe on the generated corpus (`data="real"`) under torchrun, recording the tokens of every step.
+
+    python -m torch.distributed.run --nproc-per-node 2 -m tests.data.real_tiny_run DIR MAX_STEPS [KILL_AT_STEP]
+
+Checkpoints every 3 steps (keeping all).
+Each rank appends `{"step": global_step, "tokens": [...]}` per training batch to `DIR/batches-rank<R>.jsonl`.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import fiddle as fdl
+import lightning.pytorch as pl
+import nemo_run as run
+
+from recipes.gpt import data_module
+from tests.helpers.tiny_run import tiny_recipe
+
+
+class RecordBatches(pl.Callback):
+    """Append each training batch's token ids, with the step it trains, to a per-rank JSONL file."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
+        record = {"step": trainer.global_step, "tokens": batch["tokens"].tolist()}
+        with open(Path(self.directory) / f"batches-rank{trainer.global_rank}.jsonl", "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+
+def batches(directory: Path, rank: int) -> dict[int, list]:
+    """The tokens each step trained on (the last record of a step wins: a resumed run redoes killed steps)."""
+    lines = (directory / f"batches-rank{rank}.jsonl").read_text().splitlines()
+    return {record["step"]: record["tokens"] for record in map(json.loads, lines)}
+
+
+def real_tiny_recipe(directory: str, max_steps: int, kill_at_step: int | None = None) -> run.Partial:
+    recipe = tiny_recipe(directory, max_steps, kill_at_step=kill_at_step)
+    recipe.log.ckpt.every_n_train_steps = 3
+    recipe.data = data_module(
+        "real",
+        recipe.model.config.vocab_size,
+        directory,
+        None,
+        None,
+        seq_length=32,
+        micro_batch_size=4,
+        global_batch_size=4 * int(os.environ.get("WORLD_SIZE", 1)),
+    )
+    recipe.trainer.callbacks = [*recipe.trainer.callbacks, run.Config(RecordBatches, directory=directory)]
+    return recipe
+
+
+if __name__ == "__main__":
+    directory, max_steps, *rest = sys.argv[1:]
+    fdl.build(real_tiny_recipe(directory, int(max_steps), int(rest[0]) if rest else None))()

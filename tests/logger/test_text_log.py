@@ -1,0 +1,46 @@
+"""The quiet console (Lightning's start-up notices filtered, torchrun's agent at WARNING) and its opt-outs."""
+
+import io
+import logging
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.local import local_executor
+from nemo_ckpt.logger.text_log import launcher_env, quiet_console, verbose_requested
+
+
+@pytest.fixture
+def lightning_console():
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    logging.getLogger("lightning.pytorch").addHandler(handler)
+    yield logger, stream
+    logging.getLogger("lightning.pytorch").removeHandler(handler)
+    quiet_console(not verbose_requested())
+
+
+def test_start_up_notices_are_filtered_unless_verbose(lightning_console):
+    logger, stream = lightning_console
+    quiet_console(True)
+    logger.info("GPU available: False, used: False")
+    logger.info("`Trainer.fit` stopped: `max_steps=20` reached.")
+    assert stream.getvalue() == "`Trainer.fit` stopped: `max_steps=20` reached.\n"
+    quiet_console(False)
+    logger.info("GPU available: False, used: False")
+    assert stream.getvalue().endswith("GPU available: False, used: False\n")
+
+
+def test_torchrun_is_quiet_unless_the_shell_asks(monkeypatch):
+    monkeypatch.delenv("LOGLEVEL", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert launcher_env() == {"LOGLEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
+    assert not verbose_requested()
+    monkeypatch.setenv("LOGLEVEL", "INFO")
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # torchrun
+    assert launcher_env()["LOGLEVEL"] == "INFO" and verbose_requested()
+    executor = local_executor(env_vars={"OMP_NUM_THREADS": "4"})
+    assert executor.env_vars == {"LOGLEVEL": "INFO", "OMP_NUM_THREADS": "4"}, "the user's env vars win"

@@ -1,0 +1,159 @@
+"""Hugging Face Llama <-> our checkpoints: bit-exact round trips, equal logits, bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from nemo_ckpt import dist_checkpointing  # noqa: E402
+from nemo_ckpt.checkpoint.context import load_model  # noqa: E402
+from nemo_ckpt.checkpoint.layout import hf_artifacts_dir, is_complete, weights_dir  # noqa: E402
+from nemo_ckpt.models.gpt.convert import export_hf, import_hf  # noqa: E402
+from nemo_ckpt.models.gpt.convert.safetensors_io import INDEX_FILE, open_model_weights  # noqa: E402
+
+TINY_LLAMA = dict(
+    vocab_size=100,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+)
+
+
+def make_hf_llama(directory: Path, dtype: torch.dtype = torch.float32, max_shard_size=None, **overrides) -> Path:
+    """A tiny random `LlamaForCausalLM` saved to `directory` (no download)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides})
+    model = transformers.LlamaForCausalLM(config).to(dtype)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(directory, **kwargs)
+    return directory
+
+
+def hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def our_logits(checkpoint: Path, tokens: torch.Tensor) -> torch.Tensor:
+    model = load_model(checkpoint)
+    with torch.no_grad():
+        return model.float()(tokens)
+
+
+CONFIGS = {
+    "gqa": dict(num_key_value_heads=2),
+    "tied": dict(tie_word_embeddings=True),
+    "rope_theta": dict(rope_theta=500000.0, num_key_value_heads=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_import_matches_transformers_and_round_trips_bit_exact(tmp_path, name):
+    source = make_hf_llama(tmp_path / "hf", **CONFIGS[name])
+    checkpoint = import_hf(source, tmp_path / "ours")
+    assert is_complete(checkpoint)
+    tokens = torch.randint(100, (2, 12))
+    torch.testing.assert_close(our_logits(checkpoint, tokens), hf_logits(source, tokens), atol=1e-5, rtol=0)
+    exported = export_hf(checkpoint, tmp_path / "back")
+    original, back = open_model_weights(source), open_model_weights(exported)
+    assert original.keys() - {"lm_head.weight"} == back.keys() - {"lm_head.weight"}
+    for key in back:
+        assert back[key].dtype == original[key].dtype and torch.equal(back[key], original[key]), key
+    torch.testing.assert_close(hf_logits(exported, tokens), hf_logits(source, tokens), atol=0, rtol=0)
+
+
+def test_bf16_sharded_with_vocab_padding(tmp_path):
+    source = make_hf_llama(tmp_path / "hf", dtype=torch.bfloat16, max_shard_size="20KB")
+    assert (source / INDEX_FILE).is_file()
+    for tensor in open_model_weights(source).values():  # memory-mapped, each owning exactly its bytes: written
+        assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()  # without a staging copy
+    checkpoint = import_hf(source, tmp_path / "ours", make_vocab_size_divisible_by=64)
+    stored = dist_checkpointing.load_plain_tensors(weights_dir(checkpoint))
+    assert stored["module.embedding.weight"].dtype == torch.bfloat16
+    assert stored["module.embedding.weight"].shape[0] == 128 and not stored["module.embedding.weight"][100:].any()
+    tokens = torch.randint(100, (1, 8))
+    torch.testing.assert_close(our_logits(checkpoint, tokens)[..., :100], hf_logits(source, tokens), atol=1e-5, rtol=0)
+    exported = export_hf(checkpoint, tmp_path / "back", max_shard_size=20_000)
+    assert (exported / INDEX_FILE).is_file()
+    assert json.loads((exported / "config.json").read_text())["vocab_size"] == 100
+    original, back = open_model_weights(source), open_model_weights(exported)
+    assert original.keys() == back.keys()
+    for key in back:
+        assert back[key].dtype == torch.bfloat16 and torch.equal(back[key], original[key]), key
+
+
+def save_word_level_tokenizer(directory: Path, num_tokens: int) -> None:
+    """A tokenizer of `num_tokens` words `t0`, `t1`, ... (the last one `<unk>`), saved as transformers does."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(num_tokens - 1)} | {"<unk>": num_tokens - 1}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>").save_pretrained(directory)
+
+
+def test_export_carries_the_tokenizer(tmp_path):
+    source = make_hf_llama(tmp_path / "hf")
+    save_word_level_tokenizer(source, num_tokens=100)
+    checkpoint = import_hf(source, tmp_path / "ours")
+    assert (hf_artifacts_dir(checkpoint) / "tokenizer.json").is_file()
+    exported = export_hf(checkpoint, tmp_path / "back")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    assert tokenizer("t3 t7")["input_ids"] == [3, 7]
+
+
+def test_bad_input_names_the_problem_and_writes_nothing(tmp_path):
+    source = make_hf_llama(tmp_path / "hf")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(
+        json.dumps({**config, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        import_hf(source, tmp_path / "out")
+    (source / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    with pytest.raises(ValueError, match=r"missing \['model.layers.2"):
+        import_hf(source, tmp_path / "out")
+    (source / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
+    with pytest.raises(ValueError, match="model.layers.0.mlp.gate_proj.weight.*shape"):
+        import_hf(source, tmp_path / "out")
+    (source / "config.json").write_text(json.dumps(config))
+    save_word_level_tokenizer(source, num_tokens=150)
+    with pytest.raises(ValueError, match="has 150 tokens but .*vocab_size=100"):
+        import_hf(source, tmp_path / "out")
+    sharded = make_hf_llama(tmp_path / "sharded", max_shard_size="20KB")
+    next(sharded.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(FileNotFoundError, match="model-00002-of"):
+        import_hf(sharded, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "sharded"]
+    existing = tmp_path / "hf"
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        import_hf(sharded, existing)
+
+
+TWO_RANK_RUNS = {
+    "fsdp2": {"ddp": {"data_parallel_sharding_strategy": "optim_grads_params"}},
+    "tp2": {"ddp": {}, "tensor_model_parallel_size": 2},
+}
+
+
+def test_export_from_two_rank_fsdp2_and_tp_checkpoints(tmp_path):
+    from nemo_ckpt.checkpoint.context import save_context
+    from nemo_ckpt.models import GPTModel, gpt_config
+    from tests.helpers.distributed import run_distributed
+    from tests.models.two_rank_training import train_and_save
+
+    run_distributed(train_and_save, 2, TWO_RANK_RUNS, tmp_path)
+    tokens = torch.randint(256, (2, 16))
+    for name in TWO_RANK_RUNS:
+        checkpoint = tmp_path / name
+        save_context(checkpoint, model=GPTModel(gpt_config("tiny")))
+        exported = export_hf(checkpoint, tmp_path / f"{name}-hf")
+        torch.testing.assert_close(hf_logits(exported, tokens), our_logits(checkpoint, tokens), atol=1e-5, rtol=0)

@@ -1,0 +1,46 @@
+"""A `run_distributed` body: train the tiny GPT with LoRA adapters on a plain Trainer (kept in its own module so
+spawned ranks import little)."""
+
+import lightning.pytorch as pl
+
+from nemo_ckpt.checkpoint.resume import RestoreCallback, RestoreConfig
+from nemo_ckpt.data import MockDataModule
+from nemo_ckpt.models import GPTModel, gpt_config
+from nemo_ckpt.optim import OptimizerConfig
+from nemo_ckpt.parallel.ddp_config import DistributedDataParallelConfig
+from nemo_ckpt.peft import LoRA
+from nemo_ckpt.strategy import MegatronStrategy
+from tests.helpers.trainer import RecordLoss
+
+GLOBAL_BATCH_SIZE = 4
+
+
+def train_lora(rank: int, world_size: int, sharding: str, max_steps: int, base: str) -> list[float]:
+    """Per-step losses of LoRA(dim=4) on every linear layer of the tiny GPT restored from the checkpoint `base`,
+    data parallel under `sharding`."""
+    pl.seed_everything(1234, verbose=False)
+    config = gpt_config("tiny")
+    recorder = RecordLoss()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=MegatronStrategy(ddp=DistributedDataParallelConfig(data_parallel_sharding_strategy=sharding)),
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[recorder, RestoreCallback(RestoreConfig(path=base))],
+    )
+    model = GPTModel(config, OptimizerConfig(lr=1e-2, lr_warmup_steps=0), peft=LoRA(dim=4, alpha=8))
+    data = MockDataModule(
+        seq_length=config.seq_length,
+        vocab_size=config.vocab_size,
+        micro_batch_size=GLOBAL_BATCH_SIZE // world_size,
+        global_batch_size=GLOBAL_BATCH_SIZE,
+    )
+    trainer.fit(model, datamodule=data)
+    return recorder.losses

@@ -1,0 +1,91 @@
+"""LoRA: adapters only train, merged weights reproduce base + adapters, small adapter checkpoints, FSDP2."""
+
+import pytest
+import torch
+
+from nemo_ckpt import dist_checkpointing
+from nemo_ckpt.checkpoint.layout import weights_dir
+from nemo_ckpt.data.mock import ArithmeticSequences
+from nemo_ckpt.dist_checkpointing import ShardedTensor
+from nemo_ckpt.models import GPT, GPTModel, gpt_config
+from nemo_ckpt.peft import LoRA, LoRALinear
+from tests.helpers.distributed import run_distributed
+from tests.peft.lora_training import train_lora
+
+
+def lora_gpt(**lora) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    LoRA(**lora).apply(model)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, LoRALinear):
+                module.lora_b.normal_(std=0.02)  # trained adapters: a zero B would make the test trivial
+    return model
+
+
+def test_only_adapters_train_and_megatron_names_select_layers():
+    model = lora_gpt(target_modules=["linear_qkv", "down_proj"])
+    trainable = sorted(name for name, param in model.named_parameters() if param.requires_grad)
+    assert trainable == sorted(
+        f"layers.{i}.{layer}.{param}"
+        for i in range(2)
+        for layer in ("self_attention.q_proj", "self_attention.k_proj", "self_attention.v_proj", "mlp.down_proj")
+        for param in ("lora_a", "lora_b")
+    )
+    assert "layers.0.self_attention.q_proj.weight" in model.state_dict()  # base names unchanged
+
+
+def test_merged_weights_give_the_logits_of_base_plus_adapters():
+    model = lora_gpt()
+    tokens = torch.randint(256, (2, 16))
+    merged = GPT(model.config)
+    state = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            state[f"{name}.weight"] = module.merged_weight()
+    for key, value in model.state_dict().items():
+        if not LoRA.is_adapter_key(key):
+            state.setdefault(key, value)
+    merged.load_state_dict(state)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens), model(tokens), atol=1e-6, rtol=0)
+
+
+def test_adapter_checkpoint_of_the_small_model_is_under_5_percent():
+    model = GPTModel(gpt_config("small"), peft=LoRA())
+    with torch.device("meta"):
+        model.configure_model()
+    adapter_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    full_bytes = sum(t.numel() * t.element_size() for t in model.module.state_dict().values())
+    assert set(model.state_dict()) == {
+        k for k in map("module.{}".format, model.module.state_dict()) if k.endswith(("lora_a", "lora_b"))
+    }
+    assert adapter_bytes < 0.05 * full_bytes
+
+
+def test_lora_under_fsdp2_on_two_ranks_matches_one_process(tmp_path):
+    torch.manual_seed(7)
+    base = GPTModel(gpt_config("tiny"))
+    base.configure_model()
+    weights_dir(tmp_path).mkdir()
+    state = {key: ShardedTensor.from_rank_offsets(key, value, replica_id=0) for key, value in base.state_dict().items()}
+    dist_checkpointing.save({"state_dict": state}, weights_dir(tmp_path))
+    steps = 5
+    single = train_lora(0, 1, "no_shard", steps, str(tmp_path))  # in this process: one device needs no spawning
+    sharded = run_distributed(train_lora, 2, "optim_grads_params", steps, str(tmp_path))
+    dataset = ArithmeticSequences(steps * 4, 32, 256, seed=1234)
+    batch = {key: torch.stack([dataset[i][key] for i in range(4)]) for key in dataset[0]}
+    with torch.no_grad():
+        assert single[0] == pytest.approx(float(base.loss(batch)), abs=1e-5)  # the base weights were restored
+    assert len(single) == steps
+    for losses in sharded:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(single), atol=1e-5, rtol=0)
+    assert single[-1] < single[0]
+
+
+def test_bad_lora_options():
+    with pytest.raises(ValueError, match=r"LoRA\(dim=0\)"):
+        LoRA(dim=0)
+    with pytest.raises(ValueError, match="does not support tensor parallelism"):
+        GPTModel(gpt_config("tiny"), peft=LoRA()).parallelize_tensor(None, False)
