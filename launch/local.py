@@ -1,8 +1,8 @@
 """Local executor: torchrun on this machine, N processes.
 
-From Python, ``local_executor(...)`` returns the executor itself:
-``run.run(recipe, executor=local_executor(ntasks_per_node=2))``. On the command line the ``local`` factory
-selects it: ``run.executor=local run.executor.ntasks_per_node=2``; the overrides are ``local_executor``'s
+From Python, `local_executor(...)` returns the executor itself:
+`run.run(recipe, executor=local_executor(ntasks_per_node=2))`. On the command line the `local` factory
+selects it: `run.executor=local run.executor.ntasks_per_node=2`; the overrides are `local_executor`'s
 arguments, validated when the executor is built.
 """
 
@@ -19,7 +19,7 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def local_executor(ntasks_per_node: int = 2, env_vars: dict[str, str] | None = None) -> run.LocalExecutor:
-    """Run the task under ``torchrun --nproc-per-node ntasks_per_node`` (gloo on CPU, NCCL on GPU)."""
+    """Run the task under `torchrun --nproc-per-node ntasks_per_node` (gloo on CPU, NCCL on GPU)."""
     errors = []
     if not isinstance(ntasks_per_node, int) or ntasks_per_node < 1:
         errors.append(f"ntasks_per_node must be an integer >= 1, got {ntasks_per_node!r}")
@@ -42,5 +42,5 @@ def local_executor(ntasks_per_node: int = 2, env_vars: dict[str, str] | None = N
 
 @run.cli.factory(name="local")
 def local() -> run.Config[run.LocalExecutor]:
-    """CLI factory: ``run.executor=local run.executor.ntasks_per_node=2``; fields are ``local_executor``'s arguments."""
+    """CLI factory: `run.executor=local run.executor.ntasks_per_node=2`; fields are `local_executor`'s arguments."""
     return run.Config(local_executor)

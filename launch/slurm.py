@@ -1,31 +1,31 @@
 """NeMo-Run Slurm executor for nemo_ckpt jobs: sbatch + srun + torchrun.
 
-``slurm_executor(...)`` validates its arguments and returns a ``run.SlurmExecutor`` that
-launches one torchrun agent per node (``ntasks_per_node`` ranks each). The CLI factory
-``slurm`` selects it with ``executor=slurm executor.nodes=2 ...``; the overrides are
-arguments of ``slurm_executor`` and are validated when the executor is built.
+`slurm_executor(...)` validates its arguments and returns a `run.SlurmExecutor` that
+launches one torchrun agent per node (`ntasks_per_node` ranks each). The CLI factory
+`slurm` selects it with `executor=slurm executor.nodes=2 ...`; the overrides are
+arguments of `slurm_executor` and are validated when the executor is built.
 
 Behaviour of NeMo-Run 0.11.1 worth knowing:
 
-* every job is submitted as ``sbatch --requeue --parsable``; ``retries`` makes the batch
-  script requeue itself after a failed run, ``signal="USR1@60"`` adds ``--signal``;
-* Slurm sends ``--signal`` to every process of the job steps: torchrun and its workers.
-  torchrun dies of SIGUSR1 unless told to handle it, so ``slurm_executor`` adds the signal
-  to ``PET_SIGNALS_TO_HANDLE`` and sets ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` to its lead time:
+* every job is submitted as `sbatch --requeue --parsable`; `retries` makes the batch
+  script requeue itself after a failed run, `signal="USR1@60"` adds `--signal`;
+* Slurm sends `--signal` to every process of the job steps: torchrun and its workers.
+  torchrun dies of SIGUSR1 unless told to handle it, so `slurm_executor` adds the signal
+  to `PET_SIGNALS_TO_HANDLE` and sets `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` to its lead time:
   torchrun then forwards it and waits that long for the workers, whose
-  ``nemo_ckpt.checkpoint.preemption.PreemptionCallback`` checkpoints, stops and requeues the job.
-  ``B:`` (batch shell only) is refused: NeMo-Run's batch script does not trap it and dies;
-* ``env_vars`` become unquoted ``export KEY=value`` lines, so ``$VAR`` expands there;
-* ``container_*`` need Pyxis on the cluster; without an image srun runs in the job dir,
-  and NeMo-Run replaces every ``/nemo_run`` in the sbatch script by the job dir, so the
-  experiments dir must not contain ``/nemo_run`` (``~/.nemo_run`` is fine);
-* with the local tunnel, ``job_dir`` must be ``<Experiment base_dir>/experiments``
-  (``""`` means ``$NEMORUN_HOME/experiments``), because the sbatch script is written
+  `nemo_ckpt.checkpoint.preemption.PreemptionCallback` checkpoints, stops and requeues the job.
+  `B:` (batch shell only) is refused: NeMo-Run's batch script does not trap it and dies;
+* `env_vars` become unquoted `export KEY=value` lines, so `$VAR` expands there;
+* `container_*` need Pyxis on the cluster; without an image srun runs in the job dir,
+  and NeMo-Run replaces every `/nemo_run` in the sbatch script by the job dir, so the
+  experiments dir must not contain `/nemo_run` (`~/.nemo_run` is fine);
+* with the local tunnel, `job_dir` must be `<Experiment base_dir>/experiments`
+  (`""` means `$NEMORUN_HOME/experiments`), because the sbatch script is written
   to the experiment dir and submitted from the tunnel's job dir;
-* waiting for a job (``exp.run()`` without ``detach=True``) and ``nemo experiment
-  status/logs`` query ``sacct``, which needs Slurm accounting (slurmdbd); without it
+* waiting for a job (`exp.run()` without `detach=True`) and `nemo experiment
+  status/logs` query `sacct`, which needs Slurm accounting (slurmdbd); without it
   they see UNKNOWN. Logs are written to
-  ``<job dir>/log-nemo_ckpt.<task>_<job id>_<restart>.out``, one file per (re)start.
+  `<job dir>/log-nemo_ckpt.<task>_<job id>_<restart>.out`, one file per (re)start.
 """
 
 import re
@@ -70,16 +70,16 @@ def slurm_executor(
     retries: int = 0,
     additional_parameters: dict[str, Any] | None = None,
 ) -> run.SlurmExecutor:
-    """A validated ``run.SlurmExecutor`` running torchrun with ``ntasks_per_node`` ranks per node.
+    """A validated `run.SlurmExecutor` running torchrun with `ntasks_per_node` ranks per node.
 
-    ``host``/``user``/``job_dir`` (``identity``, ``port``) select an SSH tunnel to a login node
-    (``job_dir`` is the cluster-side experiments dir); without ``host`` jobs are submitted
-    with the local ``sbatch``. ``signal="USR1@120"`` asks Slurm for SIGUSR1 120 s before the
-    time limit, on which the recipe's ``PreemptionCallback`` checkpoints and requeues the job.
-    ``partition=None`` uses the cluster's default partition. The default
+    `host`/`user`/`job_dir` (`identity`, `port`) select an SSH tunnel to a login node
+    (`job_dir` is the cluster-side experiments dir); without `host` jobs are submitted
+    with the local `sbatch`. `signal="USR1@120"` asks Slurm for SIGUSR1 120 s before the
+    time limit, on which the recipe's `PreemptionCallback` checkpoints and requeues the job.
+    `partition=None` uses the cluster's default partition. The default
     packager ships no code: the job runs with the code and Python already on the
-    cluster (shared file system or ``container_image``). torchrun is the only task per
-    node, so ``cpus_per_task`` is the CPU share of all ranks on a node.
+    cluster (shared file system or `container_image`). torchrun is the only task per
+    node, so `cpus_per_task` is the CPU share of all ranks on a node.
     """
     if (user or identity or port) and not host:
         raise ValueError("invalid Slurm executor: user/identity/port need host (SSH tunnel)")
@@ -113,7 +113,7 @@ def slurm_executor(
 
 
 def torchrun_signal_env(slurm_signal: str | None) -> dict[str, str]:
-    """Env vars that make torchrun forward ``--signal``'s signal and wait its lead time for the workers."""
+    """Env vars that make torchrun forward `--signal`'s signal and wait its lead time for the workers."""
     match = _SIGNAL.match(slurm_signal or "")
     if not match:
         return {}
@@ -127,7 +127,7 @@ def torchrun_signal_env(slurm_signal: str | None) -> dict[str, str]:
 
 
 def validate(executor: run.SlurmExecutor) -> None:
-    """Raise ``ValueError`` listing everything wrong with the executor's settings."""
+    """Raise `ValueError` listing everything wrong with the executor's settings."""
     e = executor
     ranks = e.torchrun_nproc_per_node or e.ntasks_per_node
     mounts = e.container_mounts
@@ -185,12 +185,12 @@ def validate(executor: run.SlurmExecutor) -> None:
 
 @run.cli.factory(name="slurm")
 def slurm() -> run.Config[run.SlurmExecutor]:
-    """CLI factory: ``executor=slurm executor.nodes=2``; fields are ``slurm_executor``'s arguments."""
+    """CLI factory: `executor=slurm executor.nodes=2`; fields are `slurm_executor`'s arguments."""
     return run.Config(slurm_executor)
 
 
 def sbatch_options(executor: run.SlurmExecutor) -> list[str]:
-    """The resource options (``--nodes=2`` ...) NeMo-Run puts in the executor's sbatch script."""
+    """The resource options (`--nodes=2` ...) NeMo-Run puts in the executor's sbatch script."""
     executor.get_launcher()  # torchrun turns ntasks_per_node into one agent per node
     params = {
         k: v
@@ -204,12 +204,12 @@ def sbatch_options(executor: run.SlurmExecutor) -> list[str]:
 
 
 def check_submittable(executor: run.SlurmExecutor, timeout: float = 10) -> str:
-    """Ask the cluster (``sbatch --test-only``) whether the executor's job can be granted; submit nothing.
+    """Ask the cluster (`sbatch --test-only`) whether the executor's job can be granted; submit nothing.
 
-    Checks first that an SSH tunnel's host answers on its port within ``timeout`` seconds.
+    Checks first that an SSH tunnel's host answers on its port within `timeout` seconds.
     Catches unknown partitions, node counts and GPUs no partition has, and (where the
     cluster enforces them) missing or unknown accounts and time limits above the
-    partition's MaxTime. Returns sbatch's estimate; raises ``ValueError`` saying what to fix.
+    partition's MaxTime. Returns sbatch's estimate; raises `ValueError` saying what to fix.
     """
     tunnel = executor.tunnel
     if isinstance(tunnel, run.SSHTunnel):

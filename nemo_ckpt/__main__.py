@@ -1,5 +1,5 @@
-"""Command line: ``python -m nemo_ckpt inspect CKPT`` / ``consolidate CKPT OUT`` / ``verify CKPT`` (checkpoints),
-``python -m nemo_ckpt plot RUN_DIR`` / ``runs LOG_DIR`` (training logs)."""
+"""Command line: `python -m nemo_ckpt inspect CKPT` / `consolidate CKPT OUT` / `verify CKPT` (checkpoints),
+`python -m nemo_ckpt plot RUN_DIR` / `runs LOG_DIR` (training logs)."""
 
 import sys
 

@@ -1,7 +1,7 @@
 """Megatron-Core compatible distributed checkpointing on torch.distributed.checkpoint.
 
-Swap ``from megatron.core import dist_checkpointing`` for
-``from nemo_ckpt import dist_checkpointing``.
+Swap `from megatron.core import dist_checkpointing` for
+`from nemo_ckpt import dist_checkpointing`.
 """
 
 from .core import CheckpointingException, check_is_distributed_checkpoint

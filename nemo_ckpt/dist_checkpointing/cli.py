@@ -1,4 +1,4 @@
-"""``python -m nemo_ckpt inspect|consolidate|verify``: look into, flatten and check distributed checkpoints."""
+"""`python -m nemo_ckpt inspect|consolidate|verify`: look into, flatten and check distributed checkpoints."""
 
 from __future__ import annotations
 
@@ -74,8 +74,8 @@ def _print_description(info: dict[str, Any]) -> None:
 
 
 def consolidate(checkpoint_dir: str, out_path: str, fmt: str | None = None) -> dict[str, torch.Tensor]:
-    """Write every tensor, whole, to one file: torch (``torch.save`` of ``{key: tensor}``)
-    or safetensors (chosen by ``fmt`` or an ``.safetensors`` suffix)."""
+    """Write every tensor, whole, to one file: torch (`torch.save` of `{key: tensor}`)
+    or safetensors (chosen by `fmt` or an `.safetensors` suffix)."""
     tensors = load_plain_tensors(checkpoint_dir)
     fmt = fmt or ("safetensors" if out_path.endswith(".safetensors") else "torch")
     if fmt == "safetensors":
@@ -92,7 +92,7 @@ def consolidate(checkpoint_dir: str, out_path: str, fmt: str | None = None) -> d
 
 
 def verify(checkpoint: str, threads: int = 4) -> int:
-    """Print each corrupt range of ``checkpoint``; 0 if intact, 1 if corrupt, 2 if it holds no checksums."""
+    """Print each corrupt range of `checkpoint`; 0 if intact, 1 if corrupt, 2 if it holds no checksums."""
     directory = Path(checkpoint)
     if (directory / "weights").is_dir():
         directory = directory / "weights"

@@ -19,8 +19,8 @@ CONVERTED_KEY = "_converted_from_zarr"
 
 
 def convert_zarr_to_torch_dist(source: str | Path, target: str | Path, thread_count: int = 1) -> None:
-    """Write the tensors, ShardedObjects and common state of the zarr checkpoint ``source`` as a torch_dist
-    checkpoint in ``target`` (created if missing). Loading either gives the same state dict."""
+    """Write the tensors, ShardedObjects and common state of the zarr checkpoint `source` as a torch_dist
+    checkpoint in `target` (created if missing). Loading either gives the same state dict."""
     source, target = Path(source), Path(target)
     config = maybe_load_config(source)
     if config is None or config.sharded_backend != "zarr":

@@ -1,4 +1,4 @@
-"""Checkpoint-level metadata: ``metadata.json``, the base exception, durable writes."""
+"""Checkpoint-level metadata: `metadata.json`, the base exception, durable writes."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class CheckpointingConfig:
 
 
 def check_is_distributed_checkpoint(checkpoint_dir: str | Path) -> bool:
-    """True if ``checkpoint_dir`` holds a valid ``metadata.json``."""
+    """True if `checkpoint_dir` holds a valid `metadata.json`."""
     try:
         return maybe_load_config(checkpoint_dir) is not None
     except CheckpointingException:
@@ -36,7 +36,7 @@ def check_is_distributed_checkpoint(checkpoint_dir: str | Path) -> bool:
 
 
 def maybe_load_config(checkpoint_dir: str | Path) -> CheckpointingConfig | None:
-    """The checkpoint config, or None when ``checkpoint_dir`` has no ``metadata.json``.
+    """The checkpoint config, or None when `checkpoint_dir` has no `metadata.json`.
 
     Raises CheckpointingException when the file exists but is not a valid config.
     """
@@ -62,7 +62,7 @@ def fsync_path(path: str | Path) -> None:
 
 
 def write_durably(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Create ``path`` with ``write(file)``, and flush it to the disk before returning."""
+    """Create `path` with `write(file)`, and flush it to the disk before returning."""
     with open(path, "wb") as f:
         write(f)
         f.flush()
@@ -70,7 +70,7 @@ def write_durably(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
 
 
 def save_config(config: CheckpointingConfig, checkpoint_dir: str | Path) -> None:
-    """Write ``metadata.json`` atomically (a crash leaves either no file or a complete one) and durably (fsynced,
+    """Write `metadata.json` atomically (a crash leaves either no file or a complete one) and durably (fsynced,
     with its directory, so a power loss cannot leave an empty file)."""
     config_path = os.path.join(checkpoint_dir, CONFIG_FNAME)
     tmp_path = config_path + ".tmp"

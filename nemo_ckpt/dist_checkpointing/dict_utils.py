@@ -23,7 +23,7 @@ def nested_values(x: Nested) -> Iterator[Any]:
 
 
 def nested_items_iter(x: Nested) -> Iterator[tuple[Nested, Any, Any]]:
-    """Yield ``(container, key, leaf)`` for every leaf of a nested dict/list."""
+    """Yield `(container, key, leaf)` for every leaf of a nested dict/list."""
     for k, v in x.items() if isinstance(x, dict) else enumerate(x):
         if isinstance(v, (dict, list)):
             yield from nested_items_iter(v)
@@ -32,7 +32,7 @@ def nested_items_iter(x: Nested) -> Iterator[tuple[Nested, Any, Any]]:
 
 
 def dict_list_map_inplace(f: Callable[[Any], Any], x: Any) -> Any:
-    """Replace every leaf ``v`` of ``x`` with ``f(v)`` in place; returns ``x`` (or ``f(x)`` for a leaf)."""
+    """Replace every leaf `v` of `x` with `f(v)` in place; returns `x` (or `f(x)` for a leaf)."""
     if isinstance(x, dict):
         for k, v in x.items():
             x[k] = dict_list_map_inplace(f, v)
@@ -44,7 +44,7 @@ def dict_list_map_inplace(f: Callable[[Any], Any], x: Any) -> Any:
 
 
 def dict_list_map_outplace(f: Callable[[Any], Any], x: Any) -> Any:
-    """Like :func:`dict_list_map_inplace` but builds new containers."""
+    """Like `dict_list_map_inplace` but builds new containers."""
     if isinstance(x, dict):
         return {k: dict_list_map_outplace(f, v) for k, v in x.items()}
     if isinstance(x, list):
@@ -55,10 +55,10 @@ def dict_list_map_outplace(f: Callable[[Any], Any], x: Any) -> Any:
 def extract_matching_values(
     x: Nested, predicate: Callable[[Any], bool], return_lists_as_dicts: bool = False
 ) -> tuple[Nested, Nested]:
-    """Split ``x`` into (matching, non-matching) leaves, keeping the hierarchy.
+    """Split `x` into (matching, non-matching) leaves, keeping the hierarchy.
 
-    With ``return_lists_as_dicts`` lists become ``{index: value}`` dicts so that the
-    original positions can be restored by :func:`merge`.
+    With `return_lists_as_dicts` lists become `{index: value}` dicts so that the
+    original positions can be restored by `merge`.
     """
 
     def put(target: Nested, k: Any, v: Any) -> None:
@@ -90,13 +90,13 @@ def extract_matching_values(
 
 
 def merge(x1: Nested, x2: Nested, key: tuple = (), merge_leaf: Callable[[Any, Any], Any] | None = None) -> Nested:
-    """Merge ``x2`` into ``x1`` recursively (in place). Lists merge element-wise; a dict with
+    """Merge `x2` into `x1` recursively (in place). Lists merge element-wise; a dict with
     int keys merges into a list at those positions.
 
-    Without ``merge_leaf``, keys of ``x2`` missing from ``x1`` are added and two values that are
-    not containers clash. With it, every ``x2`` value that is not a container replaces the value
-    at its place in ``x1`` by ``merge_leaf(x1_value, x2_value)``, and ``x2`` may only name
-    places that ``x1`` has.
+    Without `merge_leaf`, keys of `x2` missing from `x1` are added and two values that are
+    not containers clash. With it, every `x2` value that is not a container replaces the value
+    at its place in `x1` by `merge_leaf(x1_value, x2_value)`, and `x2` may only name
+    places that `x1` has.
     """
     if merge_leaf is not None and not isinstance(x2, (dict, list)):
         return merge_leaf(x1, x2)

@@ -14,7 +14,7 @@ ShardId = tuple
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """Where tensors must live for collectives on ``group``: CPU for gloo, else the current accelerator."""
+    """Where tensors must live for collectives on `group`: CPU for gloo, else the current accelerator."""
     if dist.get_backend(group) == "gloo":
         return torch.device("cpu")
     accelerator = torch.accelerator.current_accelerator()
@@ -22,7 +22,7 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
 
 
 def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
-    """Global ranks of ``group`` (default: the world), in group-rank order."""
+    """Global ranks of `group` (default: the world), in group-rank order."""
     return dist.get_process_group_ranks(group or dist.group.WORLD)
 
 
@@ -61,10 +61,10 @@ def distribute_shards(holders: dict[Hashable, list[int]], sizes: dict[Hashable, 
 def broadcast_shards(
     tensors: dict[ShardId, torch.Tensor], owners: dict[ShardId, int], group: dist.ProcessGroup | None = None
 ) -> None:
-    """Fill ``tensors[sid]`` on every rank from its owner's copy, for every exchanged ``sid``.
+    """Fill `tensors[sid]` on every rank from its owner's copy, for every exchanged `sid`.
 
-    ``tensors`` holds the destination (or, on the owner, the loaded data) for each shard id in
-    ``owners``, on every rank of ``group``; ids are processed in one agreed order. Tensors not on the
+    `tensors` holds the destination (or, on the owner, the loaded data) for each shard id in
+    `owners`, on every rank of `group`; ids are processed in one agreed order. Tensors not on the
     collective device (e.g. CPU tensors with NCCL) go through a temporary copy.
     """
     device = collective_device(group)

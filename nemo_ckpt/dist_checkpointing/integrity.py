@@ -1,8 +1,8 @@
 """Checksums of a torch_dist checkpoint's files, and their verification.
 
 The writer threads compute a CRC32C (hardware-accelerated) of every item they write while its bytes are in
-cache; the coordinator stores them, with those of ``.metadata`` and ``common.pt``, in ``checksums.json``:
-``{"algorithm": "crc32c", "files": {name: [[offset, length, crc], ...]}}``, one range per item, so a corrupt
+cache; the coordinator stores them, with those of `.metadata` and `common.pt`, in `checksums.json`:
+`{"algorithm": "crc32c", "files": {name: [[offset, length, crc], ...]}}`, one range per item, so a corrupt
 byte is named by file and offset range. Megatron-Core and torch ignore the file; checkpoints without it load
 as before (nothing to verify).
 """
@@ -29,7 +29,7 @@ FileRanges = dict[str, list[list[int]]]
 
 
 def extend(crc: int, data) -> int:
-    """``crc`` extended by the bytes of ``data`` (any buffer)."""
+    """`crc` extended by the bytes of `data` (any buffer)."""
     view = memoryview(data)
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
@@ -37,7 +37,7 @@ def extend(crc: int, data) -> int:
 
 
 def file_checksum(path: str | Path) -> list[int]:
-    """``[0, size, crc]`` of a whole file."""
+    """`[0, size, crc]` of a whole file."""
     crc, size = 0, 0
     with open(path, "rb") as f:
         while block := f.read(READ_BLOCK):
@@ -47,7 +47,7 @@ def file_checksum(path: str | Path) -> list[int]:
 
 
 def write_checksums(checkpoint_dir: Path, files: FileRanges) -> None:
-    """Store ``files`` (name -> [[offset, length, crc], ...]) in ``checksums.json``, fsynced."""
+    """Store `files` (name -> [[offset, length, crc], ...]) in `checksums.json`, fsynced."""
     document = json.dumps({"algorithm": ALGORITHM, "files": files}, sort_keys=True).encode()
     write_durably(Path(checkpoint_dir) / CHECKSUMS_FNAME, lambda f: f.write(document))
 
@@ -117,8 +117,8 @@ def _verify_file(checkpoint_dir: Path, name: str, ranges: list[list[int]]) -> li
 def verify_checkpoint(
     checkpoint_dir: str | Path, threads: int = 4, progress: Callable[[int, int, str], None] | None = None
 ) -> list[Corruption] | None:
-    """Check every stored checksum of ``checkpoint_dir`` (files in parallel); return the corruptions found
-    (empty: intact), or None if the checkpoint has no checksums. ``progress(done, total, file)`` after each
+    """Check every stored checksum of `checkpoint_dir` (files in parallel); return the corruptions found
+    (empty: intact), or None if the checkpoint has no checksums. `progress(done, total, file)` after each
     file."""
     checkpoint_dir = Path(checkpoint_dir)
     files = read_checksums(checkpoint_dir)

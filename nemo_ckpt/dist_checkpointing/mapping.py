@@ -1,6 +1,6 @@
 """Classes describing how local tensors and objects map onto global checkpoint entries.
 
-The main entry point is :meth:`ShardedTensor.from_rank_offsets`, which wraps a local
+The main entry point is `ShardedTensor.from_rank_offsets`, which wraps a local
 tensor as one shard of a larger (global) tensor.
 """
 
@@ -27,7 +27,7 @@ ReplicaId = int | tuple[int, ...]
 
 
 class ShardedBase(ABC):
-    """Base class of every sharded entity: a checkpoint ``key``, ``data`` and a ``replica_id``."""
+    """Base class of every sharded entity: a checkpoint `key`, `data` and a `replica_id`."""
 
     key: str
     data: object
@@ -39,7 +39,7 @@ class ShardedBase(ABC):
 
     @abstractmethod
     def without_data(self) -> ShardedBase:
-        """A copy with ``data=None`` (cheap to exchange between ranks)."""
+        """A copy with `data=None` (cheap to exchange between ranks)."""
 
 
 @dataclass
@@ -51,7 +51,7 @@ class ShardedTensor(ShardedBase):
         data: local tensor (None only for metadata-only instances).
         dtype: tensor dtype.
         local_shape: shape of the local shard (of the non-flat shard when
-            ``flattened_range`` is set).
+            `flattened_range` is set).
         global_shape: shape of the global tensor.
         global_offset: offset of the local shard in the global tensor, in elements.
         axis_fragmentations: number of shards along each axis for a regular grid,
@@ -60,7 +60,7 @@ class ShardedTensor(ShardedBase):
         prepend_axis_num: leading global axes the local tensor does not have (like unsqueeze).
         allow_shape_mismatch: on load the stored global shape may differ; missing
             parts are zero-filled and extra parts are dropped (e.g. padded embeddings).
-        flattened_range: ``data`` is ``local_tensor.flatten()[flattened_range]``
+        flattened_range: `data` is `local_tensor.flatten()[flattened_range]`
             (distributed optimizer shards).
     """
 
@@ -119,7 +119,7 @@ class ShardedTensor(ShardedBase):
 
     @property
     def has_regular_grid(self) -> bool:
-        """True if the shards form a regular grid (``axis_fragmentations`` is set)."""
+        """True if the shards form a regular grid (`axis_fragmentations` is set)."""
         return self.axis_fragmentations is not None
 
     def global_slice(self) -> tuple[int | slice, ...]:
@@ -136,7 +136,7 @@ class ShardedTensor(ShardedBase):
         return tuple(chunk_offset)
 
     def max_allowed_chunks(self) -> tuple[int, ...]:
-        """Shard size along each axis implied by ``axis_fragmentations``."""
+        """Shard size along each axis implied by `axis_fragmentations`."""
         assert self.axis_fragmentations is not None, f"No regular grid for {self}"
         chunks = []
         for axis_sh, axis_fragm in zip(self.global_shape, self.axis_fragmentations):
@@ -163,9 +163,9 @@ class ShardedTensor(ShardedBase):
     ) -> ShardedTensor:
         """Build a ShardedTensor from offsets given in ranks.
 
-        Each ``(axis, axis_rank_offset, axis_fragm)`` says: split the global tensor into
-        ``axis_fragm`` equal parts along ``axis``; ``data`` is part ``axis_rank_offset``.
-        Axes count global dims (including ``prepend_axis_num`` prepended ones).
+        Each `(axis, axis_rank_offset, axis_fragm)` says: split the global tensor into
+        `axis_fragm` equal parts along `axis`; `data` is part `axis_rank_offset`.
+        Axes count global dims (including `prepend_axis_num` prepended ones).
         """
         if flattened_range is not None:
             raise ValueError("Use `from_rank_offsets_flat` for a flat ShardedTensor.")
@@ -205,8 +205,8 @@ class ShardedTensor(ShardedBase):
         flattened_range: slice,
         **kwargs: Any,
     ) -> ShardedTensor:
-        """Like :meth:`from_rank_offsets` for a 1-D ``data`` that is
-        ``local.flatten()[flattened_range]`` of a local shard of ``non_flat_local_shape``."""
+        """Like `from_rank_offsets` for a 1-D `data` that is
+        `local.flatten()[flattened_range]` of a local shard of `non_flat_local_shape`."""
         if flattened_range is None:
             raise CheckpointingException(f"`flattened_range` is required for a flat ShardedTensor ({key})")
         if data.ndim != 1:
@@ -217,7 +217,7 @@ class ShardedTensor(ShardedBase):
         return flat
 
     def init_data(self, device: str | torch.device, init_fn: Callable = torch.empty) -> None:
-        """Allocate ``data`` (only if it is None)."""
+        """Allocate `data` (only if it is None)."""
         if self.data is not None:
             return
         shape = self.local_shape
@@ -226,7 +226,7 @@ class ShardedTensor(ShardedBase):
         self.data = init_fn(shape, dtype=self.dtype, device=device)
 
     def narrow(self, dim: int, start: int, length: int) -> list[ShardedTensor]:
-        """``torch.narrow`` applied to every rank's shard (non-flat, regular grid only)."""
+        """`torch.narrow` applied to every rank's shard (non-flat, regular grid only)."""
         if self.flattened_range is not None:
             raise CheckpointingException(f"narrow is not supported for flat {self}")
         gdim = dim + self.prepend_axis_num
@@ -253,10 +253,10 @@ class ShardedTensor(ShardedBase):
 
 
 def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Split the flat range [start, stop) of a row-major ``shape`` into (offset, size) boxes.
+    """Split the flat range [start, stop) of a row-major `shape` into (offset, size) boxes.
 
-    The boxes come in flat order and each is contiguous in flat order, so box ``i`` is
-    the next ``prod(size_i)`` elements of the flat range.
+    The boxes come in flat order and each is contiguous in flat order, so box `i` is
+    the next `prod(size_i)` elements of the flat range.
     """
     if start >= stop:
         return []
@@ -332,7 +332,7 @@ class ShardedObject(ShardedBase):
 
     @property
     def unique_key(self) -> str:
-        """``<key>/shard_<offsets>_<shape>``: the name of this object in the checkpoint."""
+        """`<key>/shard_<offsets>_<shape>`: the name of this object in the checkpoint."""
         offsets = ".".join(map(str, self.global_offset))
         shape = ".".join(map(str, self.global_shape))
         return f"{self.key}/shard_{offsets}_{shape}"
@@ -342,7 +342,7 @@ class ShardedObject(ShardedBase):
 
     @classmethod
     def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> ShardedObject:
-        """Parse ``<key>/shard_<offsets>_<shape>`` into a ShardedObject with ``data=None``."""
+        """Parse `<key>/shard_<offsets>_<shape>` into a ShardedObject with `data=None`."""
         key, _, shard_key = unique_key.rpartition("/")
         shard_str, offset_str, shape_str = shard_key.split("_")
         if shard_str != "shard" or not key:
@@ -362,8 +362,8 @@ FactoryMergeFn = Callable[[StateDict], torch.Tensor]
 class ShardedTensorFactory(ShardedBase):
     """A deferred transformation of a tensor into a sharded sub state dict.
 
-    ``build_fn(key, data, replica_id, flattened_range)`` runs before saving (and before
-    loading, to know what to read); ``merge_fn(loaded_sub_state_dict)`` undoes it after
+    `build_fn(key, data, replica_id, flattened_range)` runs before saving (and before
+    loading, to know what to read); `merge_fn(loaded_sub_state_dict)` undoes it after
     loading. Because the factory receives the original tensor, the same transformation
     applies to optimizer states of that parameter.
     """
@@ -376,7 +376,7 @@ class ShardedTensorFactory(ShardedBase):
     flattened_range: slice | None = None
 
     def build(self) -> ShardedStateDict:
-        """Run ``build_fn`` on this factory's attributes."""
+        """Run `build_fn` on this factory's attributes."""
         return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)
 
     def validate_metadata_integrity(self) -> None:
@@ -396,6 +396,6 @@ def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
 
 
 def apply_factory_merges(x1: StateDict, x2: ShardedStateDict, key: tuple = ()) -> StateDict:
-    """Undo factories: wherever ``x2`` holds a ShardedTensorFactory, replace the loaded
-    sub state dict at the same place in ``x1`` with ``factory.merge_fn(sub)``. In place."""
+    """Undo factories: wherever `x2` holds a ShardedTensorFactory, replace the loaded
+    sub state dict at the same place in `x1` with `factory.merge_fn(sub)`. In place."""
     return merge(x1, x2, key, merge_leaf=lambda loaded, factory: factory.merge_fn(loaded))

@@ -1,9 +1,9 @@
 """Optimizer state sharding derived from the model's ShardedTensors.
 
-Build the model sharded state dict from ``model.state_dict(keep_vars=True)`` so that
-ShardedTensor ``data`` are the very Parameters the optimizer holds; then
-:func:`get_param_id_to_sharded_param_map` and :func:`optim_state_to_sharding_state`
-turn ``optimizer.state_dict()`` into a sharded state dict.
+Build the model sharded state dict from `model.state_dict(keep_vars=True)` so that
+ShardedTensor `data` are the very Parameters the optimizer holds; then
+`get_param_id_to_sharded_param_map` and `optim_state_to_sharding_state`
+turn `optimizer.state_dict()` into a sharded state dict.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ KEEP_VARS_HINT = (
 
 
 def get_optim_param_to_id_map(optim_params_iter: Iterable[torch.nn.Parameter]) -> dict[int, int]:
-    """``{id(param): optimizer state id}`` in optimizer parameter order."""
+    """`{id(param): optimizer state id}` in optimizer parameter order."""
     param_mappings: dict[int, int] = {}
     for i, param in enumerate(optim_params_iter):
         param_mappings.setdefault(id(param), i)
@@ -41,8 +41,8 @@ def get_param_id_to_sharded_param_map(
 ) -> dict[int, ShardedTensor | ShardedTensorFactory]:
     """Map optimizer state ids to the model ShardedTensors (or factories) wrapping those params.
 
-    ``optim_params_iter`` must iterate the optimizer's params in its order, e.g.
-    ``itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups)``.
+    `optim_params_iter` must iterate the optimizer's params in its order, e.g.
+    `itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups)`.
     """
     model_sharded_state_dict, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
     param_to_id = get_optim_param_to_id_map(optim_params_iter)
@@ -60,9 +60,9 @@ def get_param_id_to_sharded_param_map(
 def make_sharded_optimizer_tensor(
     model_param: ShardedTensor | ShardedTensorFactory, optim_param: torch.Tensor, prefix: str
 ) -> ShardedTensor | ShardedTensorFactory:
-    """An optimizer-state entity sharded exactly like ``model_param``, keyed ``<prefix>.<key>``.
+    """An optimizer-state entity sharded exactly like `model_param`, keyed `<prefix>.<key>`.
 
-    A 0-d state (Adam's ``step``) of a non-scalar param becomes a scalar ShardedTensor
+    A 0-d state (Adam's `step`) of a non-scalar param becomes a scalar ShardedTensor
     whose main replica is the param's main replica of its first shard.
     """
     key = f"{prefix}.{model_param.key}"
@@ -95,10 +95,10 @@ def optim_state_to_sharding_state(
     id_to_sharded_param_map: dict[int, ShardedTensor | ShardedTensorFactory],
     exclude_keys: tuple[str, ...] = (),
 ) -> None:
-    """Turn ``optimizer.state_dict()`` into a sharded state dict, in place.
+    """Turn `optimizer.state_dict()` into a sharded state dict, in place.
 
-    Every tensor in ``state[param_id]`` becomes a ShardedTensor keyed
-    ``optimizer.state.<state_key>.<model key>``; ``param_groups[*]['params']`` become
+    Every tensor in `state[param_id]` becomes a ShardedTensor keyed
+    `optimizer.state.<state_key>.<model key>`; `param_groups[*]['params']` become
     LocalNonpersistentObjects (the ids are local to this process).
     """
     sharded_state: dict[int, dict] = {}

@@ -1,10 +1,10 @@
 """Loading pickled checkpoint content without running arbitrary code.
 
-Common data (``common.pt``), ShardedObjects and DCP's ``.metadata`` are pickles. They
-are read with ``torch.load(weights_only=True)`` (or a restricted unpickler for
-``.metadata``) plus an allow-list of harmless types. A refused type raises
-:class:`UnsafeCheckpointError` naming it; trusted checkpoints can be read with
-``allow_unsafe_pickle=True`` and extra types can be allowed with :func:`register_safe_globals`.
+Common data (`common.pt`), ShardedObjects and DCP's `.metadata` are pickles. They
+are read with `torch.load(weights_only=True)` (or a restricted unpickler for
+`.metadata`) plus an allow-list of harmless types. A refused type raises
+`UnsafeCheckpointError` naming it; trusted checkpoints can be read with
+`allow_unsafe_pickle=True` and extra types can be allowed with `register_safe_globals`.
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ def _refused_name(err: Exception) -> str:
 
 
 def safe_torch_load(f: str | IO[bytes], where: str, allow_unsafe_pickle: bool = False) -> Any:
-    """``torch.load`` restricted to tensors, builtins and :data:`SAFE_GLOBALS`.
+    """`torch.load` restricted to tensors, builtins and `SAFE_GLOBALS`.
 
-    ``where`` names the file and key for error messages.
+    `where` names the file and key for error messages.
     """
     if allow_unsafe_pickle:
         return torch.load(f, map_location="cpu", weights_only=False)
@@ -86,14 +86,14 @@ def safe_torch_load(f: str | IO[bytes], where: str, allow_unsafe_pickle: bool = 
 
 @dataclass
 class LegacyMCoreMetadata(Metadata):
-    """DCP metadata written by Megatron-Core <= 0.18 (its ``MCoreMetadata``): ``mcore_data[key]`` holds
-    ``nd_reformulated_orig_global_shape`` for each flattened-range tensor stored in its reformulated layout."""
+    """DCP metadata written by Megatron-Core <= 0.18 (its `MCoreMetadata`): `mcore_data[key]` holds
+    `nd_reformulated_orig_global_shape` for each flattened-range tensor stored in its reformulated layout."""
 
     mcore_data: dict[str, dict[str, Any]] | None = None
 
 
 class _LegacyMCorePlaceholder:
-    """Stands in for Megatron-Core classes pickled into old DCP ``.metadata`` files (``MCoreSavePlan``)."""
+    """Stands in for Megatron-Core classes pickled into old DCP `.metadata` files (`MCoreSavePlan`)."""
 
     def __setstate__(self, state: Any) -> None:
         if isinstance(state, dict):
@@ -137,7 +137,7 @@ _LEGACY_MCORE = {"MCoreMetadata": LegacyMCoreMetadata, "MCoreSavePlan": _LegacyM
 
 
 class DCPMetadataUnpickler(pickle.Unpickler):
-    """Unpickler for DCP ``.metadata`` that only rebuilds DCP metadata classes and torch enums."""
+    """Unpickler for DCP `.metadata` that only rebuilds DCP metadata classes and torch enums."""
 
     def find_class(self, module: str, name: str) -> Any:
         if name in _DCP_CLASSES.get(module, ()) or (module, name) in _PLAIN_CLASSES:

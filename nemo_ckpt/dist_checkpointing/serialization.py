@@ -1,7 +1,7 @@
-"""Entry points: ``save`` and ``load`` (replacements for torch.save/torch.load) and
+"""Entry points: `save` and `load` (replacements for torch.save/torch.load) and
 metadata-only readers.
 
-``load`` needs a sharded state dict as a template: its ShardedTensors say which parts of
+`load` needs a sharded state dict as a template: its ShardedTensors say which parts of
 which global tensors each rank wants.
 """
 
@@ -52,7 +52,7 @@ _CONTENT_METADATA_KEY = "content_metadata"
 
 
 def _with_unsafe_pickle(strategy: Any, allow_unsafe_pickle: bool) -> Any:
-    """A copy of ``strategy`` that may unpickle anything, if asked and supported."""
+    """A copy of `strategy` that may unpickle anything, if asked and supported."""
     if allow_unsafe_pickle and hasattr(strategy, "allow_unsafe_pickle"):
         strategy = copy.copy(strategy)
         strategy.allow_unsafe_pickle = True
@@ -69,28 +69,28 @@ def load(
     allow_unsafe_pickle: bool = False,
     verify: bool = False,
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
-    """Load the parts of a checkpoint described by ``sharded_state_dict``.
+    """Load the parts of a checkpoint described by `sharded_state_dict`.
 
     Steps: load the common state (base of the result); apply factories; add unwrapped
     LocalNonpersistentObjects; load ShardedObjects and ShardedTensors; undo factories.
 
     Args:
         sharded_state_dict: template with ShardedTensors (data is loaded into their
-            ``data`` when given) and other sharded entities.
+            `data` when given) and other sharded entities.
         checkpoint_dir: checkpoint directory.
         sharded_strategy: load strategy or (backend, version); default from metadata.json.
         common_strategy: common load strategy or (backend, version); default from metadata.json.
         validate_access_integrity: check (collectively) that main replicas tile every tensor.
-        strict: a :class:`StrictHandling` value (or its string) for key mismatches.
+        strict: a `StrictHandling` value (or its string) for key mismatches.
         allow_unsafe_pickle: unpickle common data and ShardedObjects without the
             allow-list. Only for trusted checkpoints.
-        verify: first check the checkpoint's files against their stored checksums (``integrity.py``) and raise
-            ``CorruptCheckpointError`` naming each corrupt file and byte range; checkpoints written without
+        verify: first check the checkpoint's files against their stored checksums (`integrity.py`) and raise
+            `CorruptCheckpointError` naming each corrupt file and byte range; checkpoints written without
             checksums load as usual.
 
     Returns:
-        The state dict, or ``(state_dict, missing_keys, unexpected_keys)`` for
-        ``return_unexpected``/``return_all``.
+        The state dict, or `(state_dict, missing_keys, unexpected_keys)` for
+        `return_unexpected`/`return_all`.
     """
     if verify:
         raise_if_corrupt(checkpoint_dir)
@@ -135,7 +135,7 @@ def load(
 
 
 def get_default_load_sharded_strategy(checkpoint_dir: str | Path) -> LoadShardedStrategy:
-    """The load strategy of the format ``checkpoint_dir`` was saved in (from its metadata.json)."""
+    """The load strategy of the format `checkpoint_dir` was saved in (from its metadata.json)."""
     return verify_checkpoint_and_load_strategy(checkpoint_dir)[0]
 
 
@@ -148,7 +148,7 @@ def load_common_state_dict(checkpoint_dir: str | Path, allow_unsafe_pickle: bool
 def load_tensors_metadata(
     checkpoint_dir: str | Path, sharded_strategy: LoadShardedStrategy | None = None
 ) -> CkptShardedMetadata:
-    """``{key: ShardedTensor without data}`` for every stored tensor, each as one shard of
+    """`{key: ShardedTensor without data}` for every stored tensor, each as one shard of
     its full global shape (useful to learn shapes and dtypes, or to load whole tensors)."""
     sharded_strategy, _ = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
     return sharded_strategy.load_tensors_metadata(Path(checkpoint_dir))
@@ -159,7 +159,7 @@ def load_sharded_metadata(
     sharded_strategy: LoadShardedStrategy | None = None,
     common_strategy: LoadCommonStrategy | None = None,
 ) -> CkptShardedMetadata:
-    """Like :func:`load_tensors_metadata` plus ShardedObjects (keyed by unique key)."""
+    """Like `load_tensors_metadata` plus ShardedObjects (keyed by unique key)."""
     sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
         checkpoint_dir, sharded_strategy, common_strategy
     )
@@ -181,7 +181,7 @@ def load_plain_tensors(checkpoint_dir: str | Path) -> StateDict:
 def load_content_metadata(
     checkpoint_dir: str | Path | None = None, *, preloaded_state_dict: StateDict | None = None
 ) -> dict | None:
-    """The ``content_metadata`` given to :func:`save`, or None if there is none."""
+    """The `content_metadata` given to `save`, or None if there is none."""
     if preloaded_state_dict is None:
         if checkpoint_dir is None:
             raise ValueError("Both checkpoint_dir and preloaded_state_dict cannot be None")
@@ -202,24 +202,24 @@ def save(
     """Save a sharded state dict (collective: every rank calls it with its shards).
 
     Steps: apply factories; drop LocalNonpersistentObjects; validate the sharding across
-    ranks (before anything is written); rank 0 saves the common part (``common.pt`` and,
-    for Megatron-Core >= 0.19 readers, a ``common_state`` ShardedObject); save
-    ShardedObjects and ShardedTensors; finally rank 0 writes ``metadata.json``, so an
+    ranks (before anything is written); rank 0 saves the common part (`common.pt` and,
+    for Megatron-Core >= 0.19 readers, a `common_state` ShardedObject); save
+    ShardedObjects and ShardedTensors; finally rank 0 writes `metadata.json`, so an
     interrupted save never looks like a checkpoint.
 
     Args:
         sharded_state_dict: state dict with ShardedTensors etc. Modified in place
-            (factories applied, ``content_metadata`` added).
+            (factories applied, `content_metadata` added).
         checkpoint_dir: existing directory to save into.
         sharded_strategy: save strategy or (backend, version); default ('torch_dist', 1).
         common_strategy: common save strategy or (backend, version); default ('torch', 1).
         validate_access_integrity: validate the sharding across ranks (collective).
         preprocess_common_before_consistancy_check: maps the common state dict before the
             cross-rank consistency check (e.g. to drop keys expected to differ).
-        content_metadata: application metadata, read back with :func:`load_content_metadata`.
-        async_sharded_save: return an :class:`AsyncRequest` instead of writing the shards now: the
+        content_metadata: application metadata, read back with `load_content_metadata`.
+        async_sharded_save: return an `AsyncRequest` instead of writing the shards now: the
             data is staged on CPU, the request writes it and its finalize functions (the last one
-            writes ``metadata.json``) complete the checkpoint. Needs a strategy with ``async_save``.
+            writes `metadata.json`) complete the checkpoint. Needs a strategy with `async_save`.
     """
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():

@@ -23,7 +23,7 @@ def save_preprocess(
 ) -> tuple[ShardedStateDict, StateDict]:
     """Apply factories, drop LocalNonpersistentObjects and split (sharded part, common part).
 
-    With ``validate_access_integrity`` the sharding is validated across ranks (collective)
+    With `validate_access_integrity` the sharding is validated across ranks (collective)
     before anything is written.
     """
     apply_factories(sharded_state_dict)

@@ -70,7 +70,7 @@ def extract_nonpersistent(sharded_state_dict: ShardedStateDict) -> tuple[Sharded
 
 
 def add_prefix_for_sharding(sharded_state_dict: ShardedStateDict, prefix: str) -> None:
-    """Prepend ``prefix`` to the key of every ShardedBase, in place."""
+    """Prepend `prefix` to the key of every ShardedBase, in place."""
 
     def add_prefix(x: Any) -> Any:
         if isinstance(x, ShardedBase):
@@ -81,9 +81,9 @@ def add_prefix_for_sharding(sharded_state_dict: ShardedStateDict, prefix: str) -
 
 
 def replace_prefix_for_sharding(sharded_state_dict: ShardedStateDict, old_prefix: str, new_prefix: str) -> None:
-    """Replace ``old_prefix`` with ``new_prefix`` in every ShardedBase key, in place.
+    """Replace `old_prefix` with `new_prefix` in every ShardedBase key, in place.
 
-    Raises ValueError if a key does not start with ``old_prefix``.
+    Raises ValueError if a key does not start with `old_prefix`.
     """
 
     def replace_prefix(x: Any) -> Any:
@@ -97,7 +97,7 @@ def replace_prefix_for_sharding(sharded_state_dict: ShardedStateDict, old_prefix
 
 
 def apply_prefix_mapping(sharded_state_dict: ShardedStateDict, prefix_map: dict[str, str]) -> None:
-    """Replace the first matching prefix of every ShardedBase key per ``prefix_map``, in place."""
+    """Replace the first matching prefix of every ShardedBase key per `prefix_map`, in place."""
 
     def replace_prefixes(x: Any) -> Any:
         if isinstance(x, (ShardedTensor, ShardedTensorFactory, ShardedObject)):

@@ -34,10 +34,10 @@ GlobalMetadata = list[LocalMetadata]
 
 
 class StrictHandling(Enum):
-    """What ``load`` does about keys that differ between the request and the checkpoint.
+    """What `load` does about keys that differ between the request and the checkpoint.
 
     "Unexpected" keys are requested but absent from the checkpoint; "missing" keys are in
-    the checkpoint but requested by no rank. ``*_UNEXPECTED`` values skip the (global)
+    the checkpoint but requested by no rank. `*_UNEXPECTED` values skip the (global)
     missing-keys check. Every value except ASSUME_OK_UNEXPECTED reads the checkpoint
     metadata first and drops unexpected keys from the load.
     """
@@ -53,12 +53,12 @@ class StrictHandling(Enum):
 
     @staticmethod
     def requires_explicit_ckpt_mismatch_check(val: StrictHandling) -> bool:
-        """Whether ``val`` compares the request with the checkpoint metadata."""
+        """Whether `val` compares the request with the checkpoint metadata."""
         return val != StrictHandling.ASSUME_OK_UNEXPECTED
 
     @staticmethod
     def requires_global_app_metadata(val: StrictHandling) -> bool:
-        """Whether ``val`` needs every rank's requested keys (to find missing keys)."""
+        """Whether `val` needs every rank's requested keys (to find missing keys)."""
         return val in (
             StrictHandling.IGNORE_ALL,
             StrictHandling.RAISE_ALL,
@@ -68,12 +68,12 @@ class StrictHandling(Enum):
 
     @staticmethod
     def requires_returning_mismatch_keys(val: StrictHandling) -> bool:
-        """Whether ``load`` returns ``(state_dict, missing_keys, unexpected_keys)``."""
+        """Whether `load` returns `(state_dict, missing_keys, unexpected_keys)`."""
         return val in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
 
 
 def parse_strict_flag(strict: str | bool | StrictHandling) -> StrictHandling:
-    """StrictHandling from a value or its string; ``True``/``False`` mean ASSUME_OK_UNEXPECTED/LOG_UNEXPECTED."""
+    """StrictHandling from a value or its string; `True`/`False` mean ASSUME_OK_UNEXPECTED/LOG_UNEXPECTED."""
     if isinstance(strict, StrictHandling):
         return strict
     if isinstance(strict, bool):
@@ -104,7 +104,7 @@ def validate_sharding_integrity(
     overlap, nothing missing, in bounds) and agree on global shape and dtype; each
     ShardedObject position must have exactly one main replica. Every rank runs the same
     check on the same gathered metadata, so all ranks raise together. With
-    ``common_state_dict``, a rank whose common state differs from rank 0 logs a warning.
+    `common_state_dict`, a rank whose common state differs from rank 0 logs a warning.
     """
     if common_state_dict is not None:
         _validate_common_state_dict(common_state_dict)
@@ -255,7 +255,7 @@ def verify_checkpoint_and_load_strategy(
     sharded_strategy: LoadShardedStrategy | tuple[str, int] | None = None,
     common_strategy: LoadCommonStrategy | tuple[str, int] | None = None,
 ) -> tuple[LoadShardedStrategy, LoadCommonStrategy]:
-    """Check that ``checkpoint_dir`` is a checkpoint and pick load strategies from its metadata.json."""
+    """Check that `checkpoint_dir` is a checkpoint and pick load strategies from its metadata.json."""
     if not os.path.isdir(checkpoint_dir):
         raise CheckpointingException(f"Checkpoint directory {checkpoint_dir} does not exist")
     config = maybe_load_config(checkpoint_dir)
@@ -279,7 +279,7 @@ def verify_checkpoint_and_load_strategy(
 
 
 def adjust_non_strict_load(sharded_state_dict: ShardedStateDict, sharded_keys_to_remove: set[str]) -> ShardedStateDict:
-    """``sharded_state_dict`` without the ShardedBase objects whose key is in ``sharded_keys_to_remove``."""
+    """`sharded_state_dict` without the ShardedBase objects whose key is in `sharded_keys_to_remove`."""
     _, kept = extract_matching_values(sharded_state_dict, lambda x: x.key in sharded_keys_to_remove)
     return kept
 
@@ -290,7 +290,7 @@ def _determine_missing_and_unexpected_keys(
     global_metadata: GlobalMetadata | None = None,
 ) -> tuple[set[str], set[str]]:
     """Unexpected keys (this rank's requests absent from the checkpoint) and missing keys
-    (checkpoint keys nobody requested; empty without ``global_metadata``)."""
+    (checkpoint keys nobody requested; empty without `global_metadata`)."""
     local_keys = {sh_base.key for sh_base in local_metadata}
     ckpt_keys = {sh_base.key for sh_base in ckpt_sharded_metadata.values()}
     unexpected_keys = local_keys - ckpt_keys
@@ -331,7 +331,7 @@ def validate_integrity_and_strict_load(
     global_metadata: GlobalMetadata | None = None,
     ckpt_sharded_metadata: ShardedStateDict | None = None,
 ) -> tuple[ShardedStateDict, set[str], set[str]]:
-    """Apply ``strict`` handling and the sharding check; returns (state dict without
+    """Apply `strict` handling and the sharding check; returns (state dict without
     unexpected keys, missing keys, unexpected keys)."""
     missing_keys: set[str] = set()
     unexpected_keys: set[str] = set()

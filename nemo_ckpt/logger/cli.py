@@ -1,4 +1,4 @@
-"""``python -m nemo_ckpt plot|runs``: curves of a run and the runs under a log directory."""
+"""`python -m nemo_ckpt plot|runs`: curves of a run and the runs under a log directory."""
 
 import argparse
 import sys

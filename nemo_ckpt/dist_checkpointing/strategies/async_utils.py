@@ -1,11 +1,11 @@
 """Asynchronous checkpoint saves: a request to run in the background and finalize on all ranks.
 
-Names and semantics follow Megatron-Core's ``dist_checkpointing.strategies.async_utils``:
-an :class:`AsyncRequest` holds a function that writes the data (run by a persistent background
+Names and semantics follow Megatron-Core's `dist_checkpointing.strategies.async_utils`:
+an `AsyncRequest` holds a function that writes the data (run by a persistent background
 worker, while training goes on) and finalize functions (run on the training side, in order, once
-the write is done on every rank). :class:`AsyncCallsQueue` schedules requests and finalizes them.
-A write that failed on any rank raises an :class:`AsyncSaveFailure` on every rank at the
-next finalize; the failed request's finalize functions do not run. With a ``timeout``, a write
+the write is done on every rank). `AsyncCallsQueue` schedules requests and finalizes them.
+A write that failed on any rank raises an `AsyncSaveFailure` on every rank at the
+next finalize; the failed request's finalize functions do not run. With a `timeout`, a write
 still running that many seconds after it was scheduled counts as failed (a stuck file system
 cannot block training forever); its thread is abandoned and later writes get a new one.
 """
@@ -32,9 +32,9 @@ class AsyncRequest(NamedTuple):
 
     Args:
         async_fn: writes the data, in the background; None does nothing.
-        async_fn_args: positional arguments of ``async_fn``.
-        finalize_fns: run in order on the training side once ``async_fn`` is done on all ranks.
-        async_fn_kwargs: keyword arguments of ``async_fn``.
+        async_fn_args: positional arguments of `async_fn`.
+        finalize_fns: run in order on the training side once `async_fn` is done on all ranks.
+        async_fn_kwargs: keyword arguments of `async_fn`.
         is_frozen: a frozen request takes no more finalize functions.
     """
 
@@ -45,7 +45,7 @@ class AsyncRequest(NamedTuple):
     is_frozen: bool = False
 
     def add_finalize_fn(self, fn: Callable) -> None:
-        """Run ``fn`` after the finalize functions already added."""
+        """Run `fn` after the finalize functions already added."""
         if self.is_frozen:
             raise RuntimeError("Cannot add finalization functions to a frozen AsyncRequest")
         self.finalize_fns.append(fn)
@@ -71,7 +71,7 @@ class AsyncRequest(NamedTuple):
 
 
 class AsyncSaveFailure(CheckpointingException):
-    """An async save failed (or timed out) on some rank; ``call_idx`` is its index in the queue."""
+    """An async save failed (or timed out) on some rank; `call_idx` is its index in the queue."""
 
     def __init__(self, message: str, call_idx: int) -> None:
         super().__init__(message)
@@ -87,7 +87,7 @@ class _Call:
 
 
 class AsyncCaller:
-    """One persistent background thread per process that runs ``async_fn``s one after another.
+    """One persistent background thread per process that runs `async_fn`s one after another.
 
     File writes release the GIL, so the thread writes while the training loop computes; one
     thread for the whole run avoids a fork (and a copy of the process) per save.
@@ -128,7 +128,7 @@ def _failure(what: str, error: BaseException | None) -> CheckpointingException:
 
 
 def raise_if_failed_anywhere(error: BaseException | None, what: str, group: dist.ProcessGroup | None = None) -> None:
-    """Collective: raise CheckpointingException on every rank if ``error`` is set on any rank."""
+    """Collective: raise CheckpointingException on every rank if `error` is set on any rank."""
     failed = error is not None
     if dist.is_initialized():
         flag = torch.tensor([int(failed)], device=collective_device(group))
@@ -146,8 +146,8 @@ class _ActiveAsyncRequest(NamedTuple):
 class AsyncCallsQueue:
     """Async saves in flight, finalized in order.
 
-    ``schedule_async_request`` and ``maybe_finalize_async_calls`` are collective: call them on every
-    rank of ``group`` (default: the whole world), the same number of times. ``timeout``: seconds a
+    `schedule_async_request` and `maybe_finalize_async_calls` are collective: call them on every
+    rank of `group` (default: the whole world), the same number of times. `timeout`: seconds a
     write may take from its scheduling before it counts as failed (None: no limit).
     """
 
@@ -168,9 +168,9 @@ class AsyncCallsQueue:
         return self.call_idx
 
     def maybe_finalize_async_calls(self, blocking: bool = False, no_dist: bool = False) -> list[int]:
-        """Finalize the oldest calls that are done on every rank (all of them if ``blocking``).
+        """Finalize the oldest calls that are done on every rank (all of them if `blocking`).
 
-        Ranks agree with an all-reduce (skipped with ``no_dist``). Returns the finalized indices.
+        Ranks agree with an all-reduce (skipped with `no_dist`). Returns the finalized indices.
         Raises CheckpointingException on every rank if any rank's write failed.
         """
         finalized = []

@@ -1,8 +1,8 @@
 """Strategy interfaces.
 
-A save strategy writes one checkpoint format (``backend``, ``version``, recorded in
-``metadata.json``); a load strategy reads it. Wrappers (fully parallel, async, ...)
-change how the work is done, never the format. :mod:`.defaults` picks the strategy of a
+A save strategy writes one checkpoint format (`backend`, `version`, recorded in
+`metadata.json`); a load strategy reads it. Wrappers (fully parallel, async, ...)
+change how the work is done, never the format. `.defaults` picks the strategy of a
 format by its name.
 """
 
@@ -24,18 +24,18 @@ def load_device(load_directly_on_device: bool) -> torch.device:
 
 
 class LoadStrategyBase(ABC):
-    """Base of load strategies: each reads the format named ``backend`` in the ``supported_versions``."""
+    """Base of load strategies: each reads the format named `backend` in the `supported_versions`."""
 
     backend: str
     supported_versions: tuple[int, ...] = (1,)
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
-        """Raise CheckpointingException if this strategy cannot read ``loaded_backend``."""
+        """Raise CheckpointingException if this strategy cannot read `loaded_backend`."""
         if loaded_backend != self.backend:
             raise CheckpointingException(f"{self.__class__.__name__} cannot load backend '{loaded_backend}'")
 
     def check_version_compatibility(self, loaded_version: int) -> None:
-        """Raise CheckpointingException if this strategy cannot read ``loaded_version``."""
+        """Raise CheckpointingException if this strategy cannot read `loaded_version`."""
         if loaded_version not in self.supported_versions:
             raise CheckpointingException(
                 f"{self.__class__.__name__} cannot load {self.backend} version {loaded_version}"
@@ -88,10 +88,10 @@ class LoadShardedStrategy(LoadStrategyBase):
 
     @abstractmethod
     def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
-        """``{key: ShardedTensor without data}`` with the full global shape of every stored tensor."""
+        """`{key: ShardedTensor without data}` with the full global shape of every stored tensor."""
 
     def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
-        """Like :meth:`load_tensors_metadata` but also ShardedObjects (keyed by unique key)."""
+        """Like `load_tensors_metadata` but also ShardedObjects (keyed by unique key)."""
         if not self.can_handle_sharded_objects:
             return self.load_tensors_metadata(checkpoint_dir)
         raise NotImplementedError(f"{self.__class__.__name__} must implement load_sharded_metadata")
@@ -114,4 +114,4 @@ class SaveShardedStrategy(SaveStrategyBase, ABC):
 
     @abstractmethod
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
-        """Save the main replicas of all shards in ``sharded_state_dict``."""
+        """Save the main replicas of all shards in `sharded_state_dict`."""

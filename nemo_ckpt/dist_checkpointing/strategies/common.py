@@ -1,4 +1,4 @@
-"""The ``torch`` common backend: rank 0's common state dict in ``common.pt``."""
+"""The `torch` common backend: rank 0's common state dict in `common.pt`."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ COMMON_STATE_FNAME = "common.pt"
 
 
 class TorchCommonSaveStrategy(SaveCommonStrategy):
-    """Rank 0 writes the common state dict to ``common.pt``; ShardedObjects (if this
-    strategy handles them) go to ``<key>/shard_<offsets>_<shape>.pt``."""
+    """Rank 0 writes the common state dict to `common.pt`; ShardedObjects (if this
+    strategy handles them) go to `<key>/shard_<offsets>_<shape>.pt`."""
 
     def __init__(self, backend: str = "torch", version: int = 1) -> None:
         super().__init__(backend, version)
@@ -44,7 +44,7 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
 
 
 class TorchCommonLoadStrategy(LoadCommonStrategy):
-    """Reads ``common.pt`` (or, for checkpoints without it, the ``common_state`` object that
+    """Reads `common.pt` (or, for checkpoints without it, the `common_state` object that
     Megatron-Core >= 0.19 stores in the torch_dist data) with the safe unpickler."""
 
     backend = "torch"

@@ -2,7 +2,7 @@
 
 Megatron-Core kept a global registry that strategy modules filled on import (deprecated in 0.19,
 removed in 0.20); here each format maps to its class directly. A format of your own is saved and
-loaded by passing your strategy object to ``save``/``load``.
+loaded by passing your strategy object to `save`/`load`.
 """
 
 from __future__ import annotations
@@ -32,21 +32,21 @@ def _lookup(formats: dict[tuple[str, int], type], action: str, backend: str, ver
 
 
 def get_default_save_sharded_strategy(backend: str = "torch_dist", version: int = 1) -> SaveShardedStrategy:
-    """A new save strategy writing ``backend`` (format ``version``)."""
+    """A new save strategy writing `backend` (format `version`)."""
     return _lookup(SAVE_SHARDED, "save_sharded", backend, version)(backend, version)
 
 
 def get_default_save_common_strategy(backend: str = "torch", version: int = 1) -> SaveCommonStrategy:
-    """A new common save strategy writing ``backend`` (format ``version``)."""
+    """A new common save strategy writing `backend` (format `version`)."""
     return _lookup(SAVE_COMMON, "save_common", backend, version)(backend, version)
 
 
 def default_load_sharded_strategy(backend: str, version: int = 1, **options: Any) -> LoadShardedStrategy:
-    """A new load strategy reading ``backend`` (format ``version``), built with ``options``
-    (``load_directly_on_device``, ...)."""
+    """A new load strategy reading `backend` (format `version`), built with `options`
+    (`load_directly_on_device`, ...)."""
     return _lookup(LOAD_SHARDED, "load_sharded", backend, version)(**options)
 
 
 def default_load_common_strategy(backend: str = "torch", version: int = 1) -> LoadCommonStrategy:
-    """A new common load strategy reading ``backend`` (format ``version``)."""
+    """A new common load strategy reading `backend` (format `version`)."""
     return _lookup(LOAD_COMMON, "load_common", backend, version)()

@@ -1,10 +1,10 @@
-"""Reading torch_dist items straight from their ``.distcp`` files, without ``torch.load``.
+"""Reading torch_dist items straight from their `.distcp` files, without `torch.load`.
 
-Every DCP item is a ``torch.save`` zip at (file, offset, length). For a tensor, the zip holds
-``data.pkl`` (dtype, shape, strides), ``byteorder`` and the raw storage bytes in an uncompressed
-``data/<key>`` entry. :func:`read_items` reads the zip's directory (:mod:`zipfile`, from the
-item's first and last few KiB), unpickles ``data.pkl`` with an allow-list of three names, and
-reads the needed bytes with ``preadv`` straight into the destination tensor (or into a staging
+Every DCP item is a `torch.save` zip at (file, offset, length). For a tensor, the zip holds
+`data.pkl` (dtype, shape, strides), `byteorder` and the raw storage bytes in an uncompressed
+`data/<key>` entry. `read_items` reads the zip's directory (`zipfile`, from the
+item's first and last few KiB), unpickles `data.pkl` with an allow-list of three names, and
+reads the needed bytes with `preadv` straight into the destination tensor (or into a staging
 buffer when the destination view or the stored box is not contiguous, or lives on another
 device), files in parallel threads. Items it does not understand (transforms, other byte orders,
 compressed or unknown entries, other pickles) are returned for DCP's own reader.
@@ -40,8 +40,8 @@ _STORAGE_DTYPES = storage_type_dtypes()
 
 @dataclass(frozen=True)
 class RawTensor:
-    """Where a ``torch.save``d tensor's elements lie in a file: element (i...) is at
-    ``data_offset + (storage_offset + sum(i_d * stride_d)) * itemsize``."""
+    """Where a `torch.save`d tensor's elements lie in a file: element (i...) is at
+    `data_offset + (storage_offset + sum(i_d * stride_d)) * itemsize`."""
 
     data_offset: int
     dtype: torch.dtype
@@ -73,7 +73,7 @@ def _rebuild_tensor_v2(
 
 
 class _TensorPickle(pickle.Unpickler):
-    """Reads a ``torch.save``d plain tensor's ``data.pkl`` as a :class:`_Rebuild` (nothing else)."""
+    """Reads a `torch.save`d plain tensor's `data.pkl` as a `_Rebuild` (nothing else)."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
@@ -91,10 +91,10 @@ class _TensorPickle(pickle.Unpickler):
 
 
 class _ItemView:
-    """A read-only file object over one item (``offset``, ``length``) of a file, for :mod:`zipfile`.
+    """A read-only file object over one item (`offset`, `length`) of a file, for `zipfile`.
 
-    The item's first and last ``EDGE_BYTES`` (all of a small item) are read once, up front: they
-    hold the zip's metadata (``data.pkl``, ``byteorder``, local headers, central directory).
+    The item's first and last `EDGE_BYTES` (all of a small item) are read once, up front: they
+    hold the zip's metadata (`data.pkl`, `byteorder`, local headers, central directory).
     """
 
     def __init__(self, fd: int, offset: int, length: int) -> None:
@@ -143,7 +143,7 @@ def _stored_entry(view: _ItemView, info: zipfile.ZipInfo) -> tuple[int, int]:
 
 
 def locate_tensor(fd: int, offset: int, length: int) -> RawTensor | None:
-    """The raw layout of the ``torch.save``d plain tensor at ``offset``; None if it is anything else."""
+    """The raw layout of the `torch.save`d plain tensor at `offset`; None if it is anything else."""
     view = _ItemView(fd, offset, length)
     try:
         with zipfile.ZipFile(view) as archive:
@@ -177,7 +177,7 @@ def locate_tensor(fd: int, offset: int, length: int) -> RawTensor | None:
 
 
 def _pread_into(fd: int, tensor: torch.Tensor, offset: int) -> None:
-    """Fill the contiguous CPU ``tensor`` with the file's bytes at ``offset``."""
+    """Fill the contiguous CPU `tensor` with the file's bytes at `offset`."""
     nbytes = tensor.numel() * tensor.element_size()
     view = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
     while view:
@@ -197,7 +197,7 @@ def _is_row_major(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
 
 
 def read_box(fd: int, raw: RawTensor, offsets: tuple[int, ...], lengths: tuple[int, ...], target: torch.Tensor) -> None:
-    """Copy the box (``offsets``, ``lengths``) of the stored tensor ``raw`` into ``target``."""
+    """Copy the box (`offsets`, `lengths`) of the stored tensor `raw` into `target`."""
     if tuple(target.shape) != tuple(lengths):
         raise CheckpointingException(f"Read target shape {tuple(target.shape)} does not match the box {lengths}")
     if any(o + n > size for o, n, size in zip(offsets, lengths, raw.size)) or len(lengths) != len(raw.size):
@@ -224,7 +224,7 @@ def read_box(fd: int, raw: RawTensor, offsets: tuple[int, ...], lengths: tuple[i
 
 
 def _read_file(path: Path, items: list[tuple[ReadItem, Any]], planner: LoadPlanner) -> list[ReadItem]:
-    """Read ``items`` (with their storage info) from one file; returns those left for DCP's reader.
+    """Read `items` (with their storage info) from one file; returns those left for DCP's reader.
 
     First every tensor item is located (small reads at item boundaries), then the data is read
     in file order.

@@ -1,14 +1,14 @@
 """Writing torch_dist data in three steps, so the middle one can run in the background.
 
-1. ``prepare_write_data`` (training side): stage this rank's shards as CPU tensors (a copy for async
-   saves, so training may change the originals; with :class:`StagingBuffers` into the memory of the
-   previous save) and split them into ``thread_count`` files.
-2. ``write`` (any thread): each file ``__<rank>_<i>.distcp`` by its own thread, fsynced; every item
-   serialized as ``torch.distributed.checkpoint.FileSystemWriter`` does (a ``torch.save`` zip), with
-   or without the zip's CRC-32s (``torch.load`` never checks them; computing them is most of a
-   save's CPU time). Each item's CRC32C is computed as it is written (see ``integrity.py``).
-3. ``finish`` (training side, collective): gather the write results; the coordinator writes DCP's
-   ``.metadata`` (atomically, fsynced) and ``checksums.json``. With a :class:`MetadataCache`, ranks
+1. `prepare_write_data` (training side): stage this rank's shards as CPU tensors (a copy for async
+   saves, so training may change the originals; with `StagingBuffers` into the memory of the
+   previous save) and split them into `thread_count` files.
+2. `write` (any thread): each file `__<rank>_<i>.distcp` by its own thread, fsynced; every item
+   serialized as `torch.distributed.checkpoint.FileSystemWriter` does (a `torch.save` zip), with
+   or without the zip's CRC-32s (`torch.load` never checks them; computing them is most of a
+   save's CPU time). Each item's CRC32C is computed as it is written (see `integrity.py`).
+3. `finish` (training side, collective): gather the write results; the coordinator writes DCP's
+   `.metadata` (atomically, fsynced) and `checksums.json`. With a `MetadataCache`, ranks
    whose shards have the same structure as last time send nothing but their write results.
 
 No planning collective is needed: the items are already deduplicated (main replicas only).
@@ -64,7 +64,7 @@ def _item_nbytes(item: WriteItem, data: ItemData) -> int:
 
 
 def _needs_copy(tensor: torch.Tensor, copy: bool) -> bool:
-    """Whether ``tensor`` must be copied into a contiguous CPU tensor owning exactly its bytes (torch.save
+    """Whether `tensor` must be copied into a contiguous CPU tensor owning exactly its bytes (torch.save
     writes a tensor's whole storage)."""
     owns_storage = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
     return copy or tensor.device.type != "cpu" or not owns_storage or not tensor.is_contiguous()
@@ -74,7 +74,7 @@ class StagingBuffers:
     """The CPU tensors a save copies its shards into, kept for the next save of the same structure.
 
     Copying into memory that is already mapped costs a fraction of copying into new memory (which is
-    faulted in page by page). A save borrows the buffers from :meth:`stage` until its write is done; a
+    faulted in page by page). A save borrows the buffers from `stage` until its write is done; a
     save staged while an earlier one still writes from them copies into new memory. On a CUDA host the
     buffers are pinned and filled with non-blocking copies. They hold one copy of this rank's shards in
     host memory between saves.
@@ -86,7 +86,7 @@ class StagingBuffers:
         self._lent = False
 
     def stage(self, data: dict, copy: bool) -> tuple[dict, Callable[[], None]]:
-        """``data`` as CPU tensors (``copy``: never the originals) and the function that returns the buffers."""
+        """`data` as CPU tensors (`copy`: never the originals) and the function that returns the buffers."""
         with self._lock:
             reuse, self._lent = not self._lent, True
         try:
@@ -110,7 +110,7 @@ class StagingBuffers:
 
 
 def _copy_into(data: dict, buffers: dict[MetadataIndex, torch.Tensor], copy: bool) -> dict:
-    """``data`` staged on CPU, into ``buffers`` where their shape and dtype still fit."""
+    """`data` staged on CPU, into `buffers` where their shape and dtype still fit."""
     staged: dict = {}
     for index, value in data.items():
         if isinstance(value, io.BytesIO):
@@ -128,7 +128,7 @@ def _copy_into(data: dict, buffers: dict[MetadataIndex, torch.Tensor], copy: boo
 
 
 def split_into_files(items: list[WriteItem], data: dict, bins: int) -> list[list[WriteItem]]:
-    """``bins`` lists of items with about equal bytes (largest first to the lightest file)."""
+    """`bins` lists of items with about equal bytes (largest first to the lightest file)."""
     buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
     sizes = [0] * bins
     for item in sorted(items, key=lambda it: -_item_nbytes(it, data[it.index])):
@@ -166,7 +166,7 @@ class FileSystemWriterAsync:
         self.results: list[WriteResult] = []
 
     def prepare_write_data(self, items: list[WriteItem], data: dict, copy: bool) -> None:
-        """Stage the data on CPU (``copy``: never the originals; into the kept buffers of ``staging``, if
+        """Stage the data on CPU (`copy`: never the originals; into the kept buffers of `staging`, if
         any) and assign items to files."""
         self.items = items
         if self.staging is None:
@@ -176,7 +176,7 @@ class FileSystemWriterAsync:
         self.buckets = split_into_files(items, self.data, self.thread_count)
 
     def write(self) -> None:
-        """Write every file (one thread each) and keep the write results for :meth:`finish`."""
+        """Write every file (one thread each) and keep the write results for `finish`."""
         names = [f"__{self.rank}_{i}.distcp" for i in range(len(self.buckets))]
         try:
             if len(self.buckets) == 1:
@@ -210,7 +210,7 @@ class FileSystemWriterAsync:
         return results
 
     def finish(self) -> None:
-        """Collective: gather write results; the coordinator (rank 0) writes ``.metadata``."""
+        """Collective: gather write results; the coordinator (rank 0) writes `.metadata`."""
         cache = self.cache
         unchanged = cache is not None and cache.local_items == self.items
         payload = (None if unchanged else self.items, self.results, self.checksums)
@@ -256,8 +256,8 @@ class FileSystemWriterAsync:
         self._write_checksums([checksums for *_, checksums in gathered])
 
     def _write_checksums(self, per_rank: list[FileRanges | None]) -> None:
-        """Every rank's item checksums, and whole-file ones of ``.metadata`` and ``common.pt``, into
-        ``checksums.json`` (a stale one is removed when checksums are off)."""
+        """Every rank's item checksums, and whole-file ones of `.metadata` and `common.pt`, into
+        `checksums.json` (a stale one is removed when checksums are off)."""
         if any(ranges is None for ranges in per_rank):
             (self.checkpoint_dir / CHECKSUMS_FNAME).unlink(missing_ok=True)
             return
@@ -313,7 +313,7 @@ class DeferredErrorStream:
 def _write_tensor_item_without_crc(
     stream: DeferredErrorStream, tensor: torch.Tensor, item: WriteItem, name: str
 ) -> WriteResult:
-    """``torch.save(tensor, stream)`` with zero CRC-32s, recorded as DCP records its items."""
+    """`torch.save(tensor, stream)` with zero CRC-32s, recorded as DCP records its items."""
     offset = stream.tell()
     write_tensor_without_crc(stream, tensor)
     length = stream.tell() - offset
@@ -347,7 +347,7 @@ def save_request(
     staging: StagingBuffers | None = None,
     checksums: bool = True,
 ) -> AsyncRequest:
-    """Stage the data now; the request writes it (``async_fn``) and finishes the DCP checkpoint (finalize)."""
+    """Stage the data now; the request writes it (`async_fn`) and finishes the DCP checkpoint (finalize)."""
     writer = FileSystemWriterAsync(checkpoint_dir, thread_count, cache, crc32, staging, checksums)
     writer.prepare_write_data(items, data, copy=copy_to_cpu)
     return AsyncRequest(writer.write, (), [writer.finish])

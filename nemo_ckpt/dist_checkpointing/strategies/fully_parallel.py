@@ -35,10 +35,10 @@ def determine_main_replica_uniform_distribution(
     group: dist.ProcessGroup | None = None,
     include: Callable[[ShardedBase], bool] | None = None,
 ) -> ShardDistribution:
-    """Collective over ``group``: which rank writes each shard this group is responsible for.
+    """Collective over `group`: which rank writes each shard this group is responsible for.
 
     The group saves a shard if one of its ranks holds the main replica; it is then written by the
-    least loaded of the group's ranks that hold a copy. Shards ``include`` rejects are left out.
+    least loaded of the group's ranks that hold a copy. Shards `include` rejects are left out.
     """
     local = [
         (shard_id(sh), shard_nbytes(sh), is_main_replica(sh.replica_id))
@@ -62,7 +62,7 @@ def distribute_main_replicas_with_precomputed_distribution(
     distribution: ShardDistribution,
     include: Callable[[ShardedBase], bool] | None = None,
 ) -> None:
-    """Make this rank's shards main replicas exactly where ``distribution`` assigns them to it (in place)."""
+    """Make this rank's shards main replicas exactly where `distribution` assigns them to it (in place)."""
     my_rank = dist.get_rank()
     for sh in nested_values(sharded_state_dict):
         if include is not None and not include(sh):
@@ -77,7 +77,7 @@ def distribute_main_replicas_with_precomputed_distribution(
 
 
 class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
-    """Spreads writing of replicated shards evenly over ``parallelization_group`` (default: world).
+    """Spreads writing of replicated shards evenly over `parallelization_group` (default: world).
 
     Args:
         strategy: the strategy that writes (its backend and version are this wrapper's).
@@ -113,7 +113,7 @@ class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
         return self.base_strategy.async_save(sharded_state_dict, checkpoint_dir)
 
     def apply_saving_parallelization(self, sharded_state_dict: ShardedStateDict) -> None:
-        """Set ``replica_id`` so that each shard is a main replica on exactly the rank that writes it."""
+        """Set `replica_id` so that each shard is a main replica on exactly the rank that writes it."""
         if not dist.is_initialized():
             return
         distribution = self.cached_distribution
@@ -130,7 +130,7 @@ EXCHANGE_ALGORITHMS = ("broadcast", "gather_object", "gather_rounds")
 
 
 class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
-    """Reads each tensor shard needed by several ranks of ``parallelization_group`` once, then broadcasts it.
+    """Reads each tensor shard needed by several ranks of `parallelization_group` once, then broadcasts it.
 
     Args:
         strategy: the strategy that reads.

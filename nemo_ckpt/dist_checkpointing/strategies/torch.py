@@ -1,10 +1,10 @@
-"""The ``torch_dist`` backend: shards stored with torch.distributed.checkpoint (DCP).
+"""The `torch_dist` backend: shards stored with torch.distributed.checkpoint (DCP).
 
 On disk (compatible with Megatron-Core): every ShardedTensor key is a DCP tensor with the
-real global shape, each saved shard one DCP chunk; a flat shard (``flattened_range``) is
+real global shape, each saved shard one DCP chunk; a flat shard (`flattened_range`) is
 stored as the few rectangular boxes its flat range covers, so it reshards to any
-layout. Every ShardedObject is a DCP bytes item named by its ``unique_key`` holding
-``torch.save([obj])``.
+layout. Every ShardedObject is a DCP bytes item named by its `unique_key` holding
+`torch.save([obj])`.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ COMMON_STATE_KEY = "common_state"
 
 @dataclass
 class _Chunk:
-    """A box of a global tensor held by a local tensor view of shape ``sizes``."""
+    """A box of a global tensor held by a local tensor view of shape `sizes`."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -70,7 +70,7 @@ class _Chunk:
 
 
 def sharded_tensor_chunks(sh_ten: ShardedTensor) -> list[_Chunk]:
-    """The global-tensor boxes covered by ``sh_ten``, each with a view into ``sh_ten.data``."""
+    """The global-tensor boxes covered by `sh_ten`, each with a view into `sh_ten.data`."""
     data = sh_ten.data
     prepend = sh_ten.prepend_axis_num
     if sh_ten.flattened_range is None:
@@ -99,7 +99,7 @@ def _serialize_objects(objs: list[Any]) -> io.BytesIO:
 def build_write_items(
     sharded_state_dict: ShardedStateDict,
 ) -> tuple[list[WriteItem], dict[MetadataIndex, torch.Tensor | io.BytesIO]]:
-    """DCP write items (and their data) for the main replicas in ``sharded_state_dict``."""
+    """DCP write items (and their data) for the main replicas in `sharded_state_dict`."""
     items: list[WriteItem] = []
     data: dict[MetadataIndex, torch.Tensor | io.BytesIO] = {}
     objects: dict[str, list[Any]] = defaultdict(list)
@@ -142,7 +142,7 @@ def build_write_items(
 class TorchDistSaveShardedStrategy(SaveShardedStrategy):
     """Saves ShardedTensors and ShardedObjects in torch.distributed.checkpoint's format.
 
-    Collective: every rank must call :meth:`save` (or :meth:`async_save`) with its own shards.
+    Collective: every rank must call `save` (or `async_save`) with its own shards.
 
     Args:
         backend: format name recorded in metadata.json.
@@ -150,14 +150,14 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         thread_count: writer threads per rank (files per rank).
         cached_metadata: keep the checkpoint structure between saves; ranks whose shards did not
             change send only their write results to the coordinator.
-        crc32: compute the CRC-32s of the tensors' zip entries, as ``torch.save`` does by default.
-            False writes zeros (like torch's ``compute_crc32=False``): ``torch.load`` (DCP,
+        crc32: compute the CRC-32s of the tensors' zip entries, as `torch.save` does by default.
+            False writes zeros (like torch's `compute_crc32=False`): `torch.load` (DCP,
             Megatron-Core, this library) reads the files alike and never checks them, but other
             zip tools report the entries as corrupt. Saves take about half the CPU time.
         reuse_staging_buffers: keep the CPU copies of an async save (and of GPU shards) for the next
-            save, which copies into them instead of into new memory (see :class:`StagingBuffers`).
+            save, which copies into them instead of into new memory (see `StagingBuffers`).
         checksums: compute a CRC32C of every written item in the writer threads and store them in
-            ``checksums.json`` (see ``integrity.py``), for ``verify``.
+            `checksums.json` (see `integrity.py`), for `verify`.
     """
 
     def __init__(
@@ -213,9 +213,9 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader that reads ``.metadata`` with a restricted unpickler (once), reports a
+    """FileSystemReader that reads `.metadata` with a restricted unpickler (once), reports a
     missing or corrupt file clearly and reads tensors straight into their destination
-    (:mod:`.fast_reader`; DCP's own reader for anything else), ``thread_count`` files at a time."""
+    (`.fast_reader`; DCP's own reader for anything else), `thread_count` files at a time."""
 
     def __init__(self, path: str | os.PathLike, allow_unsafe_pickle: bool = False, thread_count: int = 2) -> None:
         super().__init__(path)
@@ -330,7 +330,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     Each rank reads only what its shards need, without collectives.
 
     Args:
-        allow_unsafe_pickle: unpickle ShardedObjects and ``.metadata`` without the
+        allow_unsafe_pickle: unpickle ShardedObjects and `.metadata` without the
             allow-list. Only for trusted checkpoints.
         thread_count: files read at the same time by this rank.
         load_directly_on_device: tensors without template data are allocated on the current accelerator
@@ -425,7 +425,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
 
 def _check_metadata_fields(metadata: Metadata, path: str) -> None:
-    """Raise a clear error if unpickled metadata lacks the fields loading reads (a damaged ``.metadata``)."""
+    """Raise a clear error if unpickled metadata lacks the fields loading reads (a damaged `.metadata`)."""
     try:
         for info in (metadata.storage_data or {}).values():
             int(info.offset), int(info.length), str(info.relative_path)
@@ -456,8 +456,8 @@ def _prepare_for_load(sh_ten: ShardedTensor, device: torch.device) -> None:
 
 
 def _is_reformulated(metadata: Metadata, sh_ten: ShardedTensor) -> bool:
-    """Whether the checkpoint stores ``sh_ten``'s key in Megatron-Core <= 0.18's layout for flattened-range
-    tensors: shape ``fragmentation + (numel of a local shard,)``, one row per local shard, flat."""
+    """Whether the checkpoint stores `sh_ten`'s key in Megatron-Core <= 0.18's layout for flattened-range
+    tensors: shape `fragmentation + (numel of a local shard,)`, one row per local shard, flat."""
     mcore_data = getattr(metadata, "mcore_data", None) or {}
     original = mcore_data.get(sh_ten.key, {}).get("nd_reformulated_orig_global_shape")
     md = metadata.state_dict_metadata.get(sh_ten.key)
@@ -473,8 +473,8 @@ def _reformulated_cells(
     chunks: list[_Chunk], sh_ten: ShardedTensor, md: TensorStorageMetadata
 ) -> tuple[list[_Chunk], Callable[[], None]]:
     """Read plan for a tensor in the reformulated layout: the stored rows (local shards of the saving layout)
-    that ``chunks`` overlap, as chunks of the stored tensor into new buffers, and a function that copies them
-    into ``chunks`` once read."""
+    that `chunks` overlap, as chunks of the stored tensor into new buffers, and a function that copies them
+    into `chunks` once read."""
     global_shape = sh_ten.global_shape
     fragmentation = tuple(md.size[:-1])
     cell_shape = tuple(g // f for g, f in zip(global_shape, fragmentation))
@@ -575,7 +575,7 @@ def _as_checkpointing_error(e: BaseException, what: str) -> CheckpointingExcepti
 
 
 def load_common_state_object(checkpoint_dir: Path, allow_unsafe_pickle: bool = False) -> Any:
-    """Read the ``common_state`` ShardedObject (Megatron-Core >= 0.19 stores common data there)."""
+    """Read the `common_state` ShardedObject (Megatron-Core >= 0.19 stores common data there)."""
     strategy = TorchDistLoadShardedStrategy(allow_unsafe_pickle)
     sh_obj = ShardedObject(COMMON_STATE_KEY, None, (1,), (0,))
     return strategy.load({"common": sh_obj}, checkpoint_dir)["common"]

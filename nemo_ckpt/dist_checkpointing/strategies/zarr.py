@@ -1,9 +1,9 @@
-"""The legacy ``zarr`` backend, load only: checkpoints written by Megatron-Core's deprecated zarr strategy.
+"""The legacy `zarr` backend, load only: checkpoints written by Megatron-Core's deprecated zarr strategy.
 
-On disk: ``<checkpoint>/<key>/`` is a zarr (format 2) array with the global shape, chunked by the
-saving ranks' local shape, uncompressed; bfloat16 arrays say ``"dtype": "bfloat16"`` in ``.zarray``
-(raw 2-byte values). Common data is in ``common.pt``. Convert to torch_dist with
-:mod:`nemo_ckpt.dist_checkpointing.converter`. Needs the ``zarr`` package.
+On disk: `<checkpoint>/<key>/` is a zarr (format 2) array with the global shape, chunked by the
+saving ranks' local shape, uncompressed; bfloat16 arrays say `"dtype": "bfloat16"` in `.zarray`
+(raw 2-byte values). Common data is in `common.pt`. Convert to torch_dist with
+`nemo_ckpt.dist_checkpointing.converter`. Needs the `zarr` package.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _zarr() -> Any:
 
 
 def _open_array(path: Path) -> tuple[Any, torch.dtype]:
-    """The zarr array at ``path`` (read only) and its torch dtype; bfloat16 is read as raw 16-bit words."""
+    """The zarr array at `path` (read only) and its torch dtype; bfloat16 is read as raw 16-bit words."""
     metadata_path = path / ZARR_METADATA_FNAME
     if not metadata_path.is_file():
         raise CheckpointingException(f"Array {path} not found: {metadata_path} is missing")
@@ -46,7 +46,7 @@ def _open_array(path: Path) -> tuple[Any, torch.dtype]:
 
 
 def _bfloat16_as_uint16(store: Any) -> Any:
-    """Wrap a zarr store so that a ``"bfloat16"`` array reads as ``<u2`` (zarr has no bfloat16)."""
+    """Wrap a zarr store so that a `"bfloat16"` array reads as `<u2` (zarr has no bfloat16)."""
     zarr = _zarr()
 
     class Bfloat16AsUint16Store(zarr.storage.WrapperStore):
@@ -68,7 +68,7 @@ def _to_torch(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _pad_to_local_shape(x: torch.Tensor, sh_ten: ShardedTensor) -> torch.Tensor:
-    """Zero-pad a shard cut short by a smaller stored global shape (``allow_shape_mismatch``)."""
+    """Zero-pad a shard cut short by a smaller stored global shape (`allow_shape_mismatch`)."""
     padded = torch.zeros(sh_ten.local_shape, dtype=x.dtype)
     padded[tuple(slice(0, size) for size in x.shape)] = x
     return padded
