@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from nemo_ckpt.checkpoint.layout import MANIFEST_NAME, TMP_PREFIX
+from nemo_ckpt.dist_checkpointing.core import fsync_path
 
 STATES = ("saving", "complete", "deleting")
 
@@ -67,7 +68,7 @@ class Manifest:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        fsync_directory(path.parent)
+        fsync_path(path.parent)
 
     def get(self, name: str) -> CheckpointRecord | None:
         return next((record for record in self.checkpoints if record.name == name), None)
@@ -95,12 +96,3 @@ class Manifest:
         """The last complete checkpoint."""
         complete = self.complete()
         return complete[-1] if complete else None
-
-
-def fsync_directory(directory: str | Path) -> None:
-    """Make renames and new entries in `directory` durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -38,7 +38,8 @@ from nemo_ckpt.checkpoint.layout import (
     is_complete,
     weights_dir,
 )
-from nemo_ckpt.checkpoint.manifest import CheckpointRecord, Manifest, fsync_directory
+from nemo_ckpt.checkpoint.manifest import CheckpointRecord, Manifest
+from nemo_ckpt.dist_checkpointing.core import fsync_path
 from nemo_ckpt.options import strict_options
 
 log = logging.getLogger(__name__)
@@ -326,11 +327,11 @@ class ModelCheckpoint(Callback):
         replaced = self.dirpath / f"{TRASH_PREFIX}{record.name}"
         for directory in (weights_dir(tmp), context_dir(tmp), tmp):  # every file was fsynced by its writer
             if directory.is_dir():
-                fsync_directory(directory)
+                fsync_path(directory)
         if final.exists():
             os.replace(final, replaced)
         os.replace(tmp, final)
-        fsync_directory(self.dirpath)
+        fsync_path(self.dirpath)
         manifest = Manifest.read(self.dirpath)
         record.state = "complete"
         manifest.update(record)

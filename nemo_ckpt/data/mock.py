@@ -4,7 +4,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from nemo_ckpt.data.sampler import PretrainingSampler, data_parallel_rank_and_size
+from nemo_ckpt.data.sampler import PretrainingSampler, data_parallel_rank_and_size, set_gradient_accumulation
 
 
 class ArithmeticSequences(Dataset):
@@ -55,14 +55,7 @@ class MockDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
 
     def setup(self, stage: str = "") -> None:
-        _, data_parallel_size = data_parallel_rank_and_size(self.trainer)
-        per_step = self.micro_batch_size * data_parallel_size
-        if self.global_batch_size % per_step:
-            raise ValueError(
-                f"MockDataModule: global_batch_size={self.global_batch_size} must be a multiple of "
-                f"micro_batch_size * data-parallel size = {self.micro_batch_size} * {data_parallel_size}"
-            )
-        self.trainer.accumulate_grad_batches = self.global_batch_size // per_step
+        set_gradient_accumulation(self.trainer, self.micro_batch_size, self.global_batch_size, "MockDataModule")
         num_train = self.num_train_samples or max(1, self.trainer.max_steps) * self.global_batch_size
         self.train_set = ArithmeticSequences(num_train, self.seq_length, self.vocab_size, self.seed)
         self.val_set = ArithmeticSequences(self.num_val_samples, self.seq_length, self.vocab_size, self.seed + 1)

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from nemo_ckpt.data.blended_dataset import build_split_dataset, parse_blend
 from nemo_ckpt.data.gpt_dataset import GPTDatasetConfig, Split, parse_split
 from nemo_ckpt.data.indexed_dataset import IndexedDataset
-from nemo_ckpt.data.sampler import PretrainingSampler, data_parallel_rank_and_size
+from nemo_ckpt.data.sampler import PretrainingSampler, data_parallel_rank_and_size, set_gradient_accumulation
 from nemo_ckpt.data.tokenizer import Tokenizer, get_tokenizer
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask")
@@ -150,14 +150,7 @@ class PreTrainingDataModule(pl.LightningDataModule):
         return {Split.train: train, Split.valid: valid, Split.test: test}
 
     def setup(self, stage: str = "") -> None:
-        _, data_parallel_size = data_parallel_rank_and_size(self.trainer)
-        per_step = self.micro_batch_size * data_parallel_size
-        if self.global_batch_size % per_step:
-            raise ValueError(
-                f"PreTrainingDataModule: global_batch_size={self.global_batch_size} must be a multiple of "
-                f"micro_batch_size * data-parallel size = {self.micro_batch_size} * {data_parallel_size}"
-            )
-        self.trainer.accumulate_grad_batches = self.global_batch_size // per_step
+        set_gradient_accumulation(self.trainer, self.micro_batch_size, self.global_batch_size, "PreTrainingDataModule")
         sizes = self._num_samples()
         needed = [Split.test] if stage == "test" else [Split.train, Split.valid]
         for which in needed:

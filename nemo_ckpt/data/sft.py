@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from nemo_ckpt.data.sampler import PretrainingSampler, data_parallel_rank_and_size
+from nemo_ckpt.data.sampler import PretrainingSampler, data_parallel_rank_and_size, set_gradient_accumulation
 from nemo_ckpt.data.tokenizer import Tokenizer, get_tokenizer
 
 TRAINING_FILE = "training.jsonl"
@@ -163,14 +163,7 @@ class FineTuningDataModule(pl.LightningDataModule):
         )
 
     def setup(self, stage: str = "") -> None:
-        _, data_parallel_size = data_parallel_rank_and_size(self.trainer)
-        per_step = self.micro_batch_size * data_parallel_size
-        if self.global_batch_size % per_step:
-            raise ValueError(
-                f"FineTuningDataModule: global_batch_size={self.global_batch_size} must be a multiple of "
-                f"micro_batch_size * data-parallel size = {self.micro_batch_size} * {data_parallel_size}"
-            )
-        self.trainer.accumulate_grad_batches = self.global_batch_size // per_step
+        set_gradient_accumulation(self.trainer, self.micro_batch_size, self.global_batch_size, "FineTuningDataModule")
         self.tokenizer = get_tokenizer(self.tokenizer_path)
         num_train = max(1, self.trainer.max_steps) * self.global_batch_size
         self.train_set = self._dataset(self.dataset_root / TRAINING_FILE, num_train, self.seed)
