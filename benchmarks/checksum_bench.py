@@ -19,6 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from results import check_dependencies  # noqa: E402
+
 from nemo_ckpt import dist_checkpointing as dc  # noqa: E402
 from nemo_ckpt.dist_checkpointing.integrity import verify_checkpoint  # noqa: E402
 from nemo_ckpt.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy  # noqa: E402
@@ -34,6 +36,7 @@ def save_seconds(state: dict, directory: Path, checksums: bool) -> float:
 
 
 def main() -> None:
+    check_dependencies(["crc32c"])
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size-mib", type=int, default=512)
     parser.add_argument("--reps", type=int, default=7)

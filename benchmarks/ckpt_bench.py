@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from results import write_section  # noqa: E402
+from results import MEGATRON_CORE_INSTALL, check_dependencies, write_section  # noqa: E402
 
 from nemo_ckpt import dist_checkpointing as dc  # noqa: E402
 from nemo_ckpt.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: E402
@@ -376,6 +376,7 @@ def plot(all_results: dict, path: Path) -> None:
 
 
 def main() -> None:
+    check_dependencies(["matplotlib"], {"megatron.core": MEGATRON_CORE_INSTALL})
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-gib", type=float, nargs="+", default=[1, 4])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 1])

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from results import write_section
+from results import MEGATRON_CORE_INSTALL, check_dependencies, write_section
 
 from nemo_ckpt.data.blended_dataset import build_blending_indices
 from nemo_ckpt.data.corpus import write_corpus
@@ -305,6 +305,7 @@ def bench_loading(directory: Path) -> list[str]:
 
 
 def main() -> None:
+    check_dependencies(["numpy", "tokenizers"], {"megatron.core": MEGATRON_CORE_INSTALL})
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--documents", type=int, default=20_000)
     parser.add_argument("--index-documents", type=int, default=1_000_000)

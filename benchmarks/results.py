@@ -1,6 +1,9 @@
-"""benchmarks/RESULTS.md: each benchmark script owns one `## ...` section and rewrites only that one."""
+"""What the benchmark scripts share: their dependency check, and benchmarks/RESULTS.md, where each script owns one
+`## ...` section and rewrites only that one."""
 
+import importlib.util
 import re
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -16,3 +19,26 @@ def write_section(section: str, path: Path = RESULTS) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.write_text(text)
+
+
+MEGATRON_CORE_INSTALL = (
+    "pip install --target /tmp/mcore-site --no-deps --ignore-requires-python megatron-core==0.19.2 psutil triton, "
+    "then run with PYTHONPATH=/tmp/mcore-site"
+)
+
+
+def check_dependencies(required: list[str], peers: dict[str, str] | None = None) -> None:
+    """At start, not minutes in: exit naming the install command if a required module is missing; say which
+    optional peers (module -> how to install it) are not importable and will be left out of the comparison."""
+    script = Path(sys.argv[0]).name
+    missing = [name for name in required if importlib.util.find_spec(name) is None]
+    if missing:
+        needed = ", ".join(missing)
+        sys.exit(f"{script} needs {needed}: pip install -c constraints.txt -e '.[test]' from the repository root")
+    for name, install in (peers or {}).items():
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            print(f"{script}: {name} is not importable, so it is left out of the comparison ({install})")

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-from results import write_section
+from results import check_dependencies, write_section
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -279,6 +279,7 @@ def report(measured: dict[str, list[Run]], model_size: str, ranks: int, steps: i
 
 
 def main() -> None:
+    check_dependencies(["lightning"])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small")
     parser.add_argument("--ranks", type=int, default=2)

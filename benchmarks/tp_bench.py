@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from results import write_section
+from results import check_dependencies, write_section
 from torch.distributed.fsdp import fully_shard
 
 from nemo_ckpt.models.gpt import GPT, gpt_config, parallelize_gpt
@@ -140,6 +140,7 @@ def report(
 
 
 def main() -> None:
+    check_dependencies(["torch"])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small")
     parser.add_argument("--steps", type=int, default=20)

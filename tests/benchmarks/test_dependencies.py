@@ -1,0 +1,33 @@
+"""Every benchmark script checks its dependencies at start: a missing one stops it at once with the install
+command, and a missing optional peer (megatron-core) is named and left out."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+SCRIPTS = ["ckpt_bench.py", "data_bench.py", "step_bench.py", "tp_bench.py", "checksum_bench.py"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_starts_and_shows_its_options(script):
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "usage:" in result.stdout
+
+
+def test_missing_dependency_exits_naming_the_install_command(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setattr(sys, "argv", ["ckpt_bench.py"])
+    import results
+
+    with pytest.raises(SystemExit, match=r"ckpt_bench.py needs not_a_module_xyz: pip install .*'\.\[test\]'"):
+        results.check_dependencies(["not_a_module_xyz"])
+    results.check_dependencies([], {"not_a_peer_xyz": "pip install not-a-peer"})
+    assert "not_a_peer_xyz is not importable, so it is left out of the comparison (pip install not-a-peer)" in (
+        capsys.readouterr().out
+    )
