@@ -6,8 +6,8 @@ synchronous and with asynchronous saves; after every kill:
 - the next run resumes from the newest complete checkpoint;
 
 and the last run, left to finish, ends bit-identical to the uninterrupted run. Kills land at random times
-after start-up, right after a save began (mid-save, mid-async-write), and during start-up (mid-restore,
-mid-recovery), on both ranks at once or one after the other. Every random choice is valid by construction: a
+after start-up, right after a save began (mid-save) or once the next batch ran (mid-async-write), and during
+start-up (mid-restore, mid-recovery), on both ranks at once or one after the other. Every random choice is valid by construction: a
 trial never waits for a step past `MAX_STEPS - MARGIN`, and once the newest checkpoint is that close to the end,
 trials are killed during start-up, so no trial can finish training before its kill.
 """
@@ -185,17 +185,19 @@ def test_sigkill_at_random_moments_then_resume(forkserver, reference, tmp_path, 
     newest, interrupted_saves, interrupted_async_writes, resumes_checked = 0, 0, 0, 0
     for trial in range(TRIALS):
         run = Run(forkserver, directory, f"trial{trial}", async_save, save_top_k=2)
-        last_step = MAX_STEPS - MARGIN
-        plan = rng.choice(["startup", "random", "save", "save"]) if newest < last_step - 3 * SAVE_EVERY else "startup"
+        near_the_end = newest >= MAX_STEPS - MARGIN - 3 * SAVE_EVERY
+        last_step = newest if near_the_end else MAX_STEPS - MARGIN  # near the end: killed by the time training starts
+        plan = "startup" if near_the_end else rng.choice(["startup", "random", "save", "save"])
         if plan == "startup":
-            run.wait_at_most(rng.uniform(0.0, 1.0), last_step=newest)  # killed by the time training starts
+            run.wait_at_most(rng.uniform(0.0, 1.0), last_step)
         else:
             run.wait_for("start")
             if plan == "random":
                 run.wait_at_most(rng.uniform(0.0, 0.3), last_step)
             else:
                 save_step = run.events()[0][1] + SAVE_EVERY * rng.randint(1, 3)
-                run.wait_for(("step", save_step))
+                # right after the step (its save starting) or once the next batch runs (an async save in flight)
+                run.wait_for((rng.choice(["step", "batch"]), save_step))
                 time.sleep(rng.uniform(0.0, 0.04))
         run.kill(rng.choice(["both", "rank0-first", "rank1-first"]), rng.uniform(0.0, 0.05))
         assert all(code != 0 for code in run.join(30)), f"trial {trial} finished training instead of being killed"
