@@ -92,6 +92,7 @@ class TextLog(pl.Callback):
         self.global_rank_0_only = global_rank_0_only
         self.path: Path | None = None
         self._handler: logging.FileHandler | None = None
+        self._console: logging.StreamHandler | None = None
 
     def open(self) -> None:
         """Start writing this rank's text log (into the existing run directory)."""
@@ -102,12 +103,20 @@ class TextLog(pl.Callback):
             self._handler.setFormatter(logging.Formatter("[%(asctime)s %(levelname)s %(name)s] %(message)s"))
             for name in TEXT_LOGGERS:
                 logging.getLogger(name).addHandler(self._handler)
+            if not logging.getLogger().handlers:
+                # the file handler ends Python's last-resort console output of nemo_ckpt's warnings: keep them shown
+                self._console = logging.StreamHandler()
+                self._console.setLevel(logging.WARNING)
+                logging.getLogger("nemo_ckpt").addHandler(self._console)
 
     def close(self) -> None:
         """Stop writing the text log."""
         if self._handler is not None:
             for name in TEXT_LOGGERS:
                 logging.getLogger(name).removeHandler(self._handler)
+            if self._console is not None:
+                logging.getLogger("nemo_ckpt").removeHandler(self._console)
+                self._console = None
             self._handler.close()
             self._handler = None
 

@@ -3,6 +3,7 @@
 import io
 import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,3 +45,15 @@ def test_torchrun_is_quiet_unless_the_shell_asks(monkeypatch):
     assert launcher_env()["LOGLEVEL"] == "INFO" and verbose_requested()
     executor = local_executor(env_vars={"OMP_NUM_THREADS": "4"})
     assert executor.env_vars == {"LOGLEVEL": "INFO", "OMP_NUM_THREADS": "4"}, "the user's env vars win"
+
+
+def test_warnings_still_reach_the_console_while_the_text_log_is_open(tmp_path):
+    script = (
+        "import logging, sys; from nemo_ckpt.logger.text_log import TextLog; log = TextLog(sys.argv[1]); log.open(); "
+        "logging.getLogger('nemo_ckpt.checkpoint.preemption').warning('Received SIGUSR1: saved step 3'); log.close()"
+    )  # in a fresh process: pytest's own logging handlers would hide what a training process prints
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "Received SIGUSR1: saved step 3" in result.stderr
+    [text_log] = tmp_path.glob("nemo_log_globalrank-0_*.txt")
+    assert "Received SIGUSR1: saved step 3" in text_log.read_text()
