@@ -7,9 +7,9 @@ synchronous and with asynchronous saves; after every kill:
 
 and the last run, left to finish, ends bit-identical to the uninterrupted run. Kills land at random times
 after start-up, right after a save began (mid-save) or once the next batch ran (mid-async-write), and during
-start-up (mid-restore, mid-recovery), on both ranks at once or one after the other. Every random choice is valid by construction: a
-trial never waits for a step past `MAX_STEPS - MARGIN`, and once the newest checkpoint is that close to the end,
-trials are killed during start-up, so no trial can finish training before its kill.
+start-up (mid-restore, mid-recovery), on both ranks at once or one after the other. Every random choice is
+valid by construction: a trial never waits for a step past `MAX_STEPS - MARGIN`, and once the newest checkpoint is
+that close to the end, trials are killed during start-up, so no trial can finish training before its kill.
 """
 
 import multiprocessing
