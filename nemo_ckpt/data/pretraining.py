@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from nemo_ckpt.data.blended_dataset import build_split_dataset, parse_blend
 from nemo_ckpt.data.gpt_dataset import GPTDatasetConfig, Split, parse_split
 from nemo_ckpt.data.indexed_dataset import IndexedDataset
-from nemo_ckpt.data.sampler import PretrainingSampler, data_parallel_rank_and_size, set_gradient_accumulation
+from nemo_ckpt.data.sampler import rank_sampler, set_gradient_accumulation
 from nemo_ckpt.data.tokenizer import Tokenizer, get_tokenizer
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask")
@@ -169,12 +169,8 @@ class PreTrainingDataModule(pl.LightningDataModule):
         """Training resumes after the consumed samples; validation and test always start at sample 0."""
         if dataset is None:
             return []
-        sampler = PretrainingSampler(
-            len(dataset),
-            self.init_consumed_samples if train else 0,
-            self.micro_batch_size,
-            *data_parallel_rank_and_size(self.trainer),
-        )
+        consumed_samples = self.init_consumed_samples if train else 0
+        sampler = rank_sampler(self.trainer, len(dataset), consumed_samples, self.micro_batch_size)
         options = {
             "batch_sampler": sampler,
             "num_workers": self.num_workers,

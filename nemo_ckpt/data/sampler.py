@@ -59,3 +59,11 @@ def set_gradient_accumulation(trainer: pl.Trainer, micro_batch_size: int, global
             f"micro_batch_size * data-parallel size = {micro_batch_size} * {data_parallel_size}"
         )
     trainer.accumulate_grad_batches = global_batch_size // per_step
+
+
+def rank_sampler(
+    trainer: pl.Trainer, dataset_size: int, consumed_samples: int, micro_batch_size: int
+) -> PretrainingSampler:
+    """This rank's pretraining sampler over `dataset_size` samples, sharded by data-parallel rank, starting after
+    `consumed_samples`."""
+    return PretrainingSampler(dataset_size, consumed_samples, micro_batch_size, *data_parallel_rank_and_size(trainer))

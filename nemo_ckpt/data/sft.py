@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from nemo_ckpt.data.sampler import PretrainingSampler, data_parallel_rank_and_size, set_gradient_accumulation
+from nemo_ckpt.data.sampler import rank_sampler, set_gradient_accumulation
 from nemo_ckpt.data.tokenizer import Tokenizer, get_tokenizer
 
 TRAINING_FILE = "training.jsonl"
@@ -171,9 +171,7 @@ class FineTuningDataModule(pl.LightningDataModule):
         self.val_set = self._dataset(validation, self.num_val_samples, self.seed + 1) if validation.is_file() else None
 
     def _loader(self, dataset: Dataset, consumed_samples: int) -> DataLoader:
-        sampler = PretrainingSampler(
-            len(dataset), consumed_samples, self.micro_batch_size, *data_parallel_rank_and_size(self.trainer)
-        )
+        sampler = rank_sampler(self.trainer, len(dataset), consumed_samples, self.micro_batch_size)
         return DataLoader(dataset, batch_sampler=sampler, num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
