@@ -1,17 +1,30 @@
-"""Checkpoint save/load speed against the disk (dd), torch.save, plain DCP and megatron-core.
+"""Checkpoint save/load speed against the disk's ceiling and the peers at their best settings.
 
-    python benchmarks/ckpt_bench.py [--sizes-gib 1 4] [--ranks 2 1] [--reps 5] [--dir /tmp/ckpt_bench]
+    python benchmarks/ckpt_bench.py [--sizes-gib 1 4] [--ranks 2 1] [--reps 3 2] [--dir /tmp/ckpt_bench]
 
-The state is a list of 64 MiB float32 tensors, each split along dim 0 over the ranks (as FSDP or tensor
-parallelism shards them): a rank holds size / ranks bytes. Per repetition every contestant runs once, in
-an order shuffled each repetition (the same on every rank). Every save and load starts with the page cache
-dropped (when root): this VM gives free page-cache memory back to its host, so without that a write is fast
-or slow depending on what ran before it. Times are the slowest rank's, between two barriers; a save's time
-does not include removing the previous repetition's files.
-The 1-rank run also loads the 2-rank checkpoints (a reshard). megatron-core is used when importable
-(e.g. PYTHONPATH=/tmp/mcore-site); its CUDA calls are made no-ops on CPU.
-Writes `## Checkpoint speed` in benchmarks/RESULTS.md and benchmarks/ckpt_speed.png. Needs about 10x the
-largest size of free disk under --dir.
+Every rank holds `--sizes-gib` of 64 MiB float32 tensors, its rows of global tensors split along dim 0 (as FSDP
+or tensor parallelism shards them). Per repetition every contestant runs once, in an order shuffled each
+repetition (the same on every rank), so a loaded machine slows all alike; medians. Every save and load starts
+with the page cache dropped (when root). Times are the slowest rank's, between two barriers; a save's time does
+not include removing the previous repetition's files.
+
+Contestants (all with torch.save's zip CRC-32s off, as ours writes them; the `zip CRCs` rows turn them on):
+- the disk ceiling (`disk_ceiling.py`): `dd conv=fdatasync` in 1, 2, 4, 8 parallel streams per rank and O_DIRECT
+  writes; cold `dd` reads in 1, 2, 4, 8 streams and O_DIRECT reads. The best median is the ceiling that every
+  save and load is quoted against; `dd x1` (one buffered stream, the old baseline) is a reference row.
+- `torch.save` / `torch.load` of each rank's dict to its own file (fsynced).
+- DCP (`torch.distributed.checkpoint`) with 2 writer threads per rank, as ours; `dcp async_save` with a kept
+  `DefaultStager` (it reuses its CPU copies) staging in its background thread.
+- megatron-core (when importable, e.g. PYTHONPATH=.venv/megatron-core-0.19.2; its CUDA calls are no-ops on CPU) with its
+  fully parallel save wrapper, cached distribution and metadata, 2 threads, validation at the first save only;
+  its async path (`async_sharded_save`, its own AsyncCallsQueue).
+- ours as `DistCheckpointIO` saves with `ckpt_parallel_save` and `ckpt_assume_constant_structure`, sync and async
+  (staging into the buffers kept from the previous save); loads with the parallel load wrapper into the live
+  tensors, as a resume does.
+- `memcpy`: copying the state into preallocated memory and into new memory, the yardsticks of async staging.
+The 1-rank run also loads the 2-rank checkpoints (a reshard). Async contestants, memcpy and torch.load run
+where the machine has memory for the copies they keep. Writes `## Checkpoint speed` in benchmarks/RESULTS.md and
+benchmarks/ckpt_speed.png. Needs about 6x the largest size x ranks of free disk under --dir.
 """
 
 from __future__ import annotations
@@ -20,21 +33,24 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.utils.serialization
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import disk_ceiling  # noqa: E402
 from results import MEGATRON_CORE_INSTALL, check_dependencies, write_section  # noqa: E402
 
 from nemo_ckpt import dist_checkpointing as dc  # noqa: E402
@@ -52,15 +68,15 @@ from tests.helpers.distributed import free_port  # noqa: E402
 TENSOR_BYTES = 64 << 20
 ROW = 4096  # float32 values per row
 SECTION = "## Checkpoint speed"
-SAVE_DIRS = {
-    "dd": "dd",
-    "torch.save": "torch_save",
-    "dcp": "dcp",
-    "ours": "ours",
-    "ours async": "ours_async",
-    "megatron-core": "mcore",
-}
-RESHARD_SOURCES = {"dd", "dcp", "ours", "mcore"}  # the 2-rank saves that the 1-rank run loads
+THREADS = 2  # writer threads (files) per rank, for ours and every peer that has the setting
+CEILING_DIR = "ceiling"
+REFERENCE = "dd x1"  # the old baseline: one buffered stream per rank
+# the 2-rank saves that the 1-rank run loads (a reshard); every other save directory is removed after its run
+LOADED_SAVES = ("torch.save", "dcp", "ours", "megatron-core")
+SAVE_ONLY = ("dcp, zip CRCs", "ours, zip CRCs", "ours async", "dcp async_save", "megatron-core async")
+ASYNC = ("ours async", "dcp async_save", "megatron-core async")
+MEMCPY = ("memcpy (preallocated)", "memcpy (new memory)")
+ASYNC_COPIES = 5  # copies of the state a rank holds with the async contestants: its own and four kept ones
 
 
 def megatron_dist_checkpointing():
@@ -75,25 +91,30 @@ def megatron_dist_checkpointing():
     return dist_checkpointing
 
 
-def local_state(size: int, rank: int, world: int) -> dict[str, torch.Tensor]:
-    rows = TENSOR_BYTES // 4 // ROW
-    count = size // TENSOR_BYTES
-    return {f"t{i}": torch.full((rows // world, ROW), float(i + rank), dtype=torch.float32) for i in range(count)}
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def local_state(size: int, rank: int, shards: int = 1) -> dict[str, torch.Tensor]:
+    """This rank's rows of `size // 64 MiB` global float32 tensors: 64 MiB each (`shards` times that where a
+    rank loads what `shards` ranks saved)."""
+    rows = TENSOR_BYTES // 4 // ROW * shards
+    return {f"t{i}": torch.full((rows, ROW), float(i + rank), dtype=torch.float32) for i in range(size // TENSOR_BYTES)}
 
 
 def config_dir(size: int, world: int) -> str:
-    return f"{size >> 20}mib_{world}r"
+    return f"{size >> 20}mib_per_rank_{world}r"
 
 
 def drop_caches() -> None:
     """Write back and drop the page cache (root only), on rank 0, then barrier."""
-    if dist.get_rank() == 0 and os.geteuid() == 0:
-        subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], check=False)
+    if dist.get_rank() == 0:
+        disk_ceiling.drop_caches()
     dist.barrier()
 
 
 def timed(fn: Callable[[], object]) -> float:
-    """Seconds ``fn`` takes on the slowest rank, between barriers."""
+    """Seconds `fn` takes on the slowest rank, between barriers."""
     dist.barrier()
     start = time.perf_counter()
     fn()
@@ -102,57 +123,121 @@ def timed(fn: Callable[[], object]) -> float:
     return elapsed.item()
 
 
-class Contestants:
-    """Each contestant's save and load on this rank, writing under ``root``."""
+@contextmanager
+def zip_crc32(enabled: bool):
+    """torch.save's zip CRC-32s on or off (torch.save, DCP and megatron-core all write through it)."""
+    config = torch.utils.serialization.config.save
+    before, config.compute_crc32 = config.compute_crc32, enabled
+    try:
+        yield
+    finally:
+        config.compute_crc32 = before
 
-    def __init__(self, root: Path, size: int, rank: int, world: int) -> None:
-        self.root, self.rank, self.world = root, rank, world
-        self.state = local_state(size, rank, world)
-        self.targets = {key: torch.zeros_like(t) for key, t in self.state.items()}
+
+class Contestants:
+    """Each contestant's save and load on this rank, writing under `root`: the disk ceiling's `dd` variants, and
+    the libraries at their best settings (see the module docstring)."""
+
+    def __init__(self, root: Path, size: int, rank: int, world: int, with_async: bool, shards: int = 1) -> None:
+        self.root, self.rank, self.world, self.size = root, rank, world, size
+        self.state = local_state(size, rank, shards)
         self.rows = next(iter(self.state.values())).shape[0]
         self.mcore = megatron_dist_checkpointing()
-        self.queue = AsyncCallsQueue()
-        self.blocked = 0.0
         self.mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
-        self.ours_sync = self.ours_save_strategy()
-        self.ours_async = self.ours_save_strategy()
+        self.ours = {crc: self.ours_save_strategy(crc) for crc in (False, True)}
+        self.ours_async = self.ours_save_strategy(False)
+        self.queue = AsyncCallsQueue()
+        self.mcore_strategy = self.mcore_save_strategy() if self.mcore else None
+        self.mcore_async_strategy = self.mcore_save_strategy() if self.mcore else None
+        self.mcore_queue = None
+        self.dcp_async_stager = None
+        self.with_async = with_async
+        self.preallocated: dict[str, torch.Tensor] = {}
+        self.blocked: dict[str, float] = {}
         self.validated: set[str] = set()
 
+    # save side
+
+    def saves(self) -> dict[str, Callable[[], None]]:
+        saves: dict[str, Callable[[], None]] = {
+            name: (lambda s=streams, d=direct: self.save_ceiling(s, d))
+            for name, (streams, direct) in disk_ceiling.write_variants().items()
+        }
+        saves |= {
+            "torch.save": self.save_torch,
+            "dcp": self.save_dcp,
+            "dcp, zip CRCs": lambda: self.save_dcp(crc=True),
+            "ours": self.save_ours,
+            "ours, zip CRCs": lambda: self.save_ours(crc=True),
+        }
+        if self.with_async:
+            saves |= {
+                "ours async": self.save_ours_async,
+                "dcp async_save": self.save_dcp_async,
+                "memcpy (preallocated)": self.memcpy_preallocated,
+                "memcpy (new memory)": self.memcpy_new,
+            }
+        if self.mcore is not None:
+            saves["megatron-core"] = self.save_mcore
+            if self.with_async:
+                saves["megatron-core async"] = self.save_mcore_async
+        return saves
+
     def clear(self, contestant: str) -> None:
-        """An empty directory for ``contestant``'s save."""
-        if contestant in SAVE_DIRS and self.rank == 0:
-            path = self.root / SAVE_DIRS[contestant]
-            shutil.rmtree(path, ignore_errors=True)
-            path.mkdir(parents=True)
+        """An empty directory for `contestant`'s save (the ceiling: this rank's files of that variant)."""
+        if contestant in disk_ceiling.write_variants():
+            (self.root / CEILING_DIR).mkdir(parents=True, exist_ok=True)
+            for path in (self.root / CEILING_DIR).glob(f"rank{self.rank}_*x{contestant.split('x')[-1]}_*"):
+                path.unlink()
+        elif self.rank == 0 and contestant not in MEMCPY:
+            shutil.rmtree(self.path(contestant), ignore_errors=True)
+            self.path(contestant).mkdir(parents=True)
+        dist.barrier()
+
+    def after_save(self, contestant: str) -> None:
+        """Remove what no load reads (untimed): O_DIRECT and unread `dd` files, save-only contestants."""
+        if contestant in disk_ceiling.write_variants() and contestant != disk_ceiling.READ_SOURCE:
+            self.clear(contestant)
+        elif contestant in SAVE_ONLY and self.rank == 0:
+            shutil.rmtree(self.path(contestant), ignore_errors=True)
         dist.barrier()
 
     def path(self, contestant: str) -> Path:
-        return self.root / SAVE_DIRS[contestant]
+        return self.root / slug(contestant)
 
-    def sharded(self, lib, template: bool = False) -> dict:
+    def sharded(self, lib) -> dict:
+        """The state as `lib`'s ShardedTensors: each tensor split along dim 0 over the ranks."""
         return {
-            key: lib.ShardedTensor.from_rank_offsets(
-                key, self.targets[key] if template else t, (0, self.rank, self.world)
-            )
+            key: lib.ShardedTensor.from_rank_offsets(key, t, (0, self.rank, self.world))
             for key, t in self.state.items()
         }
 
-    def dtensors(self, template: bool = False) -> dict:
+    def dtensors(self) -> dict:
         from torch.distributed.tensor import DTensor, Shard
 
-        return {
-            key: DTensor.from_local(self.targets[key] if template else t, self.mesh, [Shard(0)], run_check=False)
-            for key, t in self.state.items()
-        }
+        return {key: DTensor.from_local(t, self.mesh, [Shard(0)], run_check=False) for key, t in self.state.items()}
 
-    def ours_save_strategy(self) -> FullyParallelSaveStrategyWrapper:
-        """The spec's best practice (parallel save, 2 writers per rank, constant structure), as DistCheckpointIO
-        saves with those options: without the zip CRCs, which no loader checks, and (async) staging into the
-        CPU buffers of the previous save."""
+    def ours_save_strategy(self, crc: bool) -> FullyParallelSaveStrategyWrapper:
+        """As `DistCheckpointIO` saves with `ckpt_parallel_save` and `ckpt_assume_constant_structure`: 2 writer
+        threads per rank, cached structure and distribution, staging buffers kept between async saves, item
+        checksums (checksums.json); `crc`: the zip CRC-32s too."""
         strategy = TorchDistSaveShardedStrategy(
-            thread_count=2, cached_metadata=True, crc32=False, reuse_staging_buffers=True
+            thread_count=THREADS, cached_metadata=True, crc32=crc, reuse_staging_buffers=True
         )
         return FullyParallelSaveStrategyWrapper(strategy, do_cache_distribution=True)
+
+    def mcore_save_strategy(self):
+        """megatron-core's best practice: fully parallel save, cached distribution and metadata, 2 threads."""
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelSaveStrategyWrapper as McoreFullyParallel,
+        )
+        from megatron.core.dist_checkpointing.strategies.torch import (
+            TorchDistSaveShardedStrategy as McoreTorchDist,
+        )
+
+        return McoreFullyParallel(
+            McoreTorchDist("torch_dist", 1, thread_count=THREADS, cached_metadata=True), do_cache_distribution=True
+        )
 
     def validate_once(self, name: str) -> bool:
         """With a constant structure the sharding is validated at the first save only (as DistCheckpointIO does)."""
@@ -160,133 +245,200 @@ class Contestants:
         self.validated.add(name)
         return first
 
-    def save_dd(self) -> None:
-        path = self.path("dd") / f"rank{self.rank}"
-        count = sum(t.numel() * t.element_size() for t in self.state.values()) // (1 << 20)
-        subprocess.run(
-            ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={count}", "conv=fdatasync", "status=none"], check=True
-        )
+    def save_ceiling(self, streams: int, direct: bool) -> None:
+        disk_ceiling.write(self.root / CEILING_DIR, self.size, streams, direct, prefix=f"rank{self.rank}_")
 
     def save_torch(self) -> None:
-        path = self.path("torch.save") / f"rank{self.rank}.pt"
-        with open(path, "wb") as f:
+        with open(self.path("torch.save") / f"rank{self.rank}.pt", "wb") as f:
             torch.save(self.state, f)
             f.flush()
             os.fsync(f.fileno())
 
-    def save_dcp(self) -> None:
-        torch.distributed.checkpoint.save(self.dtensors(), checkpoint_id=self.path("dcp"))
+    def save_dcp(self, crc: bool = False) -> None:
+        name = "dcp, zip CRCs" if crc else "dcp"
+        writer = torch.distributed.checkpoint.FileSystemWriter(self.path(name), thread_count=THREADS)
+        with zip_crc32(crc):
+            torch.distributed.checkpoint.save(self.dtensors(), storage_writer=writer)
+
+    def save_dcp_async(self) -> None:
+        """DCP's `async_save` with its `DefaultStager`, kept between saves (it reuses its CPU copies), staging in
+        its background thread; pinned and non-blocking copies where there is an accelerator. Blocked: until the
+        state is staged (training may change it only then)."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        accelerator = torch.accelerator.is_available()
+        if self.dcp_async_stager is None:
+            self.dcp_async_stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=accelerator,
+                    use_shared_memory=False,
+                    use_async_staging=True,
+                    use_non_blocking_copy=accelerator,
+                )
+            )
+        writer = torch.distributed.checkpoint.FileSystemWriter(self.path("dcp async_save"), thread_count=THREADS)
+        start = time.perf_counter()
+        response = torch.distributed.checkpoint.async_save(
+            self.dtensors(), storage_writer=writer, async_stager=self.dcp_async_stager
+        )
+        response.staging_completion.result()
+        self.blocked["dcp async_save"] = time.perf_counter() - start
+        response.upload_completion.result()
 
     def save_mcore(self) -> None:
-        self.mcore.save(self.sharded(self.mcore), self.path("megatron-core"))
-
-    def save_ours(self) -> None:
-        dc.save(
-            self.sharded(dc), self.path("ours"), self.ours_sync, validate_access_integrity=self.validate_once("sync")
+        self.mcore.save(
+            self.sharded(self.mcore),
+            str(self.path("megatron-core")),
+            self.mcore_strategy,
+            validate_access_integrity=self.validate_once("mcore"),
         )
+
+    def save_mcore_async(self) -> None:
+        """megatron-core's async path: `async_sharded_save` on its AsyncCallsQueue, which forks a writer process
+        per save (its persistent worker process dies at its first request on a CPU-only machine)."""
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue as McoreQueue
+
+        if self.mcore_queue is None:
+            self.mcore_queue = McoreQueue()
+        start = time.perf_counter()
+        request = self.mcore.save(
+            self.sharded(self.mcore),
+            str(self.path("megatron-core async")),
+            self.mcore_async_strategy,
+            validate_access_integrity=self.validate_once("mcore async"),
+            async_sharded_save=True,
+            async_strategy="mcore",
+        )
+        self.mcore_queue.schedule_async_request(request)
+        self.blocked["megatron-core async"] = time.perf_counter() - start
+        self.mcore_queue.maybe_finalize_async_calls(blocking=True)
+
+    def save_ours(self, crc: bool = False) -> None:
+        name = "ours, zip CRCs" if crc else "ours"
+        dc.save(self.sharded(dc), self.path(name), self.ours[crc], validate_access_integrity=self.validate_once(name))
 
     def save_ours_async(self) -> None:
-        def schedule() -> None:
-            request = dc.save(
-                self.sharded(dc),
-                self.path("ours async"),
-                self.ours_async,
-                async_sharded_save=True,
-                validate_access_integrity=self.validate_once("async"),
-            )
-            self.queue.schedule_async_request(request)
-
-        self.blocked = timed(schedule)
+        start = time.perf_counter()
+        request = dc.save(
+            self.sharded(dc),
+            self.path("ours async"),
+            self.ours_async,
+            async_sharded_save=True,
+            validate_access_integrity=self.validate_once("ours async"),
+        )
+        self.queue.schedule_async_request(request)
+        self.blocked["ours async"] = time.perf_counter() - start
         self.queue.maybe_finalize_async_calls(blocking=True)
 
-    def memcpy(self) -> None:
+    def memcpy_preallocated(self) -> None:
+        """Copy the state into memory kept from the previous repetition (what staging into kept buffers costs)."""
+        for key, t in self.state.items():
+            if key not in self.preallocated:
+                self.preallocated[key] = torch.empty_like(t)
+            self.preallocated[key].copy_(t)
+
+    def memcpy_new(self) -> None:
+        """Copy the state into new memory (what staging without kept buffers costs)."""
         [t.clone() for t in self.state.values()]
 
-    def load_dd(self, source: str, files: list[str]) -> None:
-        for name in files:
-            subprocess.run(
-                ["dd", f"if={self.root / source / name}", "of=/dev/null", "bs=4M", "status=none"], check=True
+    # load side: into the live tensors, as a resume does
+
+    def loads(self, source: Path, source_world: int) -> dict[str, Callable[[], None]]:
+        # the saving ranks' `dd` files this rank reads: its own, or in a reshard its share of all of them
+        shards = source_world // self.world
+        files = [
+            path
+            for rank in range(self.rank * shards, (self.rank + 1) * shards)
+            for path in disk_ceiling.stream_files(
+                source / CEILING_DIR, disk_ceiling.write_variants()[disk_ceiling.READ_SOURCE][0], f"rank{rank}_"
             )
+        ]
+        loads: dict[str, Callable[[], None]] = {
+            name: (lambda s=streams, d=direct: disk_ceiling.read(files, s * shards, d))
+            for name, (streams, direct) in disk_ceiling.read_variants().items()
+        }
+        loads |= {
+            "dcp": lambda: self.load_dcp(source / slug("dcp")),
+            "ours": lambda: self.load_ours(source / slug("ours")),
+        }
+        if source_world == self.world and self.with_async:  # torch.load reads into new memory: a second copy
+            loads["torch.load"] = self.load_torch
+        if self.mcore is not None:
+            loads["megatron-core"] = lambda: self.load_mcore(source / slug("megatron-core"))
+        return loads
 
     def load_torch(self) -> None:
-        torch.load(self.root / "torch_save" / f"rank{self.rank}.pt", weights_only=True)
+        loaded = torch.load(self.path("torch.save") / f"rank{self.rank}.pt", weights_only=True, mmap=False)
+        for key, t in self.state.items():
+            t.copy_(loaded[key])
 
-    def load_dcp(self, source: str) -> None:
-        torch.distributed.checkpoint.load(self.dtensors(template=True), checkpoint_id=self.root / source)
+    def load_dcp(self, source: Path) -> None:
+        torch.distributed.checkpoint.load(self.dtensors(), checkpoint_id=source)
 
-    def load_mcore(self, source: str) -> None:
-        self.mcore.load(self.sharded(self.mcore, template=True), self.root / source)
+    def load_mcore(self, source: Path) -> None:
+        self.mcore.load(self.sharded(self.mcore), str(source))
 
-    def load_ours(self, source: str) -> None:
-        dc.load(
-            self.sharded(dc, template=True),
-            self.root / source,
-            FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy()),
-        )
+    def load_ours(self, source: Path) -> None:
+        dc.load(self.sharded(dc), source, FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy()))
+
+    def close(self) -> None:
+        self.queue.close()
+        if self.mcore_queue is not None:
+            self.mcore_queue.close()
 
 
 def run_rank(
-    rank: int, world: int, port: int, size: int, reps: int, root: str, reshard_from: str | None, results: dict
+    rank: int,
+    world: int,
+    port: int,
+    size: int,
+    reps: int,
+    root: str,
+    with_async: bool,
+    reshard_from: str | None,
+    results: dict,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    c = Contestants(Path(root) / config_dir(size, world), size, rank, world)
-    saves: dict[str, Callable[[], None]] = {
-        "dd": c.save_dd,
-        "torch.save": c.save_torch,
-        "dcp": c.save_dcp,
-        "ours": c.save_ours,
-        "ours async": c.save_ours_async,
-        "memcpy": c.memcpy,
-    }
-    if c.mcore is not None:
-        saves["megatron-core"] = c.save_mcore
+    torch.utils.serialization.config.save.compute_crc32 = False  # equal for all; "zip CRCs" rows turn it on
+    # a reshard loads what twice the ranks saved, each of half this rank's size
+    save_world = world if reshard_from is None else 2 * world
+    c = Contestants(Path(root) / config_dir(size, world), size, rank, world, with_async, save_world // world)
+    saves = c.saves() if reshard_from is None else {}
+    source = c.root if reshard_from is None else Path(reshard_from)
+    loads = c.loads(source, save_world)
     times: dict[str, list[float]] = {name: [] for name in saves}
-    times["ours async (blocked)"] = []
-    loads: dict[str, Callable[[], None]] = {
-        "dd": lambda: c.load_dd("dd", [f"rank{rank}"]),
-        "torch.load": c.load_torch,
-        "dcp": lambda: c.load_dcp("dcp"),
-        "ours": lambda: c.load_ours("ours"),
-    }
-    if c.mcore is not None:
-        loads["megatron-core"] = lambda: c.load_mcore("mcore")
-    if reshard_from is not None:
-        source = Path(reshard_from)
-        c.root = source  # read the 2-rank checkpoints
-        loads = {
-            "dd": lambda: c.load_dd("dd", sorted(p.name for p in (source / "dd").iterdir())),
-            "dcp": lambda: c.load_dcp("dcp"),
-            "ours": lambda: c.load_ours("ours"),
-        }
-        if c.mcore is not None:
-            loads["megatron-core"] = lambda: c.load_mcore("mcore")
+    blocked: dict[str, list[float]] = {name: [] for name in ASYNC if name in saves}
     load_times: dict[str, list[float]] = {name: [] for name in loads}
     for rep in range(reps):
         shuffle = random.Random(rep).shuffle
-        if reshard_from is None:
-            order = list(saves)
-            shuffle(order)
-            for name in order:
-                c.clear(name)
-                drop_caches()
-                elapsed = timed(saves[name])
-                times[name].append(elapsed)
-                if name == "ours async":
-                    times["ours async (blocked)"].append(c.blocked)
+        order = list(saves)
+        shuffle(order)
+        for name in order:
+            c.clear(name)
+            drop_caches()
+            times[name].append(timed(saves[name]))
+            if name in blocked:
+                value = torch.tensor([c.blocked[name]], dtype=torch.float64)
+                dist.all_reduce(value, op=dist.ReduceOp.MAX)
+                blocked[name].append(value.item())
+            c.after_save(name)
         order = list(loads)
         shuffle(order)
         for name in order:
             drop_caches()
             load_times[name].append(timed(loads[name]))
     if rank == 0:
-        results["save"] = {k: v for k, v in times.items() if v}
+        results["save"] = times
+        results["blocked"] = blocked
         results["load"] = load_times
-    c.queue.close()
+    c.close()
     dist.destroy_process_group()
 
 
-def run_config(size: int, world: int, reps: int, root: Path, reshard_from: Path | None = None) -> dict:
+def run_config(
+    size: int, world: int, reps: int, root: Path, with_async: bool, reshard_from: Path | None = None
+) -> dict:
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(
@@ -297,6 +449,7 @@ def run_config(size: int, world: int, reps: int, root: Path, reshard_from: Path 
                 size,
                 reps,
                 str(root),
+                with_async,
                 None if reshard_from is None else str(reshard_from),
                 results,
             ),
@@ -305,42 +458,68 @@ def run_config(size: int, world: int, reps: int, root: Path, reshard_from: Path 
         return dict(results)
 
 
+def medians(times: dict[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(values) for name, values in times.items() if values}
+
+
 def table(all_results: dict) -> str:
-    """Markdown: medians per contestant and their ratios to dd (async: blocked time to memcpy)."""
+    """Markdown: medians per contestant, saves and loads as a fraction of the disk ceiling's speed (ceiling time
+    / its time: 1.00 is the disk's best), async blocked time as a multiple of a copy into preallocated memory."""
     lines = [
-        "| size | ranks | contestant | save median s | save: dd / it | load median s (cold) | load: dd / it |",
-        "|---|---|---|---|---|---|---|",
+        "| GiB per rank | ranks | contestant | save s | save speed / ceiling | blocked s | blocked / memcpy "
+        "(prealloc.) | load s (cold) | load speed / ceiling |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for (size_gib, ranks, kind), result in all_results.items():
-        save = {k: statistics.median(v) for k, v in result.get("save", {}).items()}
-        load = {k: statistics.median(v) for k, v in result.get("load", {}).items()}
-        label = f"{ranks}" if kind == "same" else f"{ranks} (saved on 2)"
+        save, load, blocked = medians(result["save"]), medians(result["load"]), medians(result["blocked"])
+        writes = {k: v for k, v in save.items() if k in CEILING_WRITES}
+        write_best, write_ceiling = disk_ceiling.best(writes) if writes else (None, None)
+        read_best, read_ceiling = disk_ceiling.best({k: v for k, v in load.items() if k in CEILING_READS})
+        label = f"{ranks}" if kind == "same" else f"{ranks} (saved on {2 * ranks})"
+        memcpy = save.get("memcpy (preallocated)")
         for name in dict.fromkeys(list(save) + list(load)):
-            s, ld = save.get(name), load.get(name)
-            if name == "ours async (blocked)":
-                ratio = f"{s / save['memcpy']:.2f} x memcpy"
-            else:
-                ratio = f"{save['dd'] / s:.2f}" if s and "dd" in save else ""
+            s, ld, b = save.get(name), load.get(name), blocked.get(name)
+            marks = (" **(write ceiling)**" if name == write_best and s else "") + (
+                " **(read ceiling)**" if name == read_best and ld else ""
+            )
             cells = [
-                f"{size_gib} GiB",
+                f"{size_gib}",
                 label,
-                name,
+                name + (" (reference)" if name == REFERENCE else "") + marks,
                 "" if s is None else f"{s:.2f}",
-                ratio,
+                "" if s is None or name in MEMCPY else f"{write_ceiling / s:.2f}",
+                "" if b is None else f"{b:.3f}",
+                "" if b is None or memcpy is None else f"{b / memcpy:.2f}",
                 "" if ld is None else f"{ld:.2f}",
-                f"{load['dd'] / ld:.2f}" if ld and "dd" in load else "",
+                "" if ld is None else f"{read_ceiling / ld:.2f}",
             ]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def write_results(all_results: dict, text: str, path: Path, reps: int, note: str) -> None:
+CEILING_WRITES = set(disk_ceiling.write_variants())
+CEILING_READS = set(disk_ceiling.read_variants())
+
+
+def available_memory() -> int:
+    """MemAvailable of /proc/meminfo, in bytes (0 where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def write_results(text: str, path: Path, reps: str, note: str) -> None:
     section = (
-        f"{SECTION}\n\n`python benchmarks/ckpt_bench.py` on this 2-core VM, {reps} interleaved repetitions "
-        f"(shuffled order, page cache dropped before every save and load), medians; ratios to "
-        f"`dd conv=fdatasync` (save, higher is better) and to a cold `dd` read (load). "
-        f"`ours async (blocked)`: the time the training loop waits, as a ratio to cloning the state into "
-        f"new memory (`memcpy`). {note}\n\n{text}\n\n![checkpoint speed](ckpt_speed.png)\n"
+        f"{SECTION}\n\n`python benchmarks/ckpt_bench.py --reps {reps}` on this 2-core VM: every contestant once per "
+        "repetition in a shuffled order, page cache dropped before every save and load; medians; the slowest "
+        "rank's time. `speed / ceiling`: the disk ceiling's median time over the contestant's (1.00: as fast as "
+        "the best `dd` variant measured in the same run; the ceiling row is marked). `blocked`: the time an "
+        "async save holds the caller before writing in the background, against copying the state into "
+        f"preallocated memory. {note}\n\n{text}\n\n![checkpoint speed](ckpt_speed.png)\n"
     )
     write_section(section, path)
 
@@ -376,36 +555,41 @@ def plot(all_results: dict, path: Path) -> None:
 
 
 def main() -> None:
-    check_dependencies(["matplotlib"], {"megatron.core": MEGATRON_CORE_INSTALL})
+    check_dependencies(["matplotlib"], {"megatron.core": MEGATRON_CORE_INSTALL}, programs=["dd"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes-gib", type=float, nargs="+", default=[1, 4])
+    parser.add_argument("--sizes-gib", type=float, nargs="+", default=[1, 4], help="state per rank")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 1])
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, nargs="+", default=[3], help="per size (the last one for the rest)")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/ckpt_bench"))
     parser.add_argument("--results", type=Path, default=REPO / "benchmarks" / "RESULTS.md")
-    parser.add_argument("--note", default="")
+    parser.add_argument("--note", default="", help="appended to the RESULTS.md section (machine, load)")
+    parser.add_argument("--no-write", action="store_true", help="print the table only")
     args = parser.parse_args()
     all_results = {}
     sizes = [int(s * (1 << 30)) // TENSOR_BYTES * TENSOR_BYTES for s in args.sizes_gib]
-    for size in sizes:
+    for index, size in enumerate(sizes):
         size_gib = round(size / (1 << 30), 2)
+        reps = args.reps[min(index, len(args.reps) - 1)]
         for world in args.ranks:
-            print(f"{size_gib} GiB on {world} rank(s)", flush=True)
-            all_results[(size_gib, world, "same")] = run_config(size, world, args.reps, args.dir)
-            if world == 2:
-                for name in set(SAVE_DIRS.values()) - RESHARD_SOURCES:
-                    shutil.rmtree(args.dir / config_dir(size, 2) / name, ignore_errors=True)
+            # async contestants and memcpy each keep a copy of the state (ours, DCP's cached staging, memcpy,
+            # megatron-core), torch.load reads into new memory
+            with_async = world * size * ASYNC_COPIES <= available_memory()
+            if not with_async:
+                print(f"{size_gib} GiB per rank on {world} rank(s): async, memcpy, torch.load left out (memory)")
+            print(f"{size_gib} GiB per rank on {world} rank(s)", flush=True)
+            all_results[(size_gib, world, "same")] = run_config(size, world, reps, args.dir, with_async)
             if world == 1 and 2 in args.ranks:
-                print(f"{size_gib} GiB reshard 2 -> 1", flush=True)
+                print(f"{size_gib} GiB per saving rank, reshard 2 -> 1", flush=True)
                 all_results[(size_gib, 1, "reshard")] = run_config(
-                    size, 1, args.reps, args.dir, reshard_from=args.dir / config_dir(size, 2)
+                    size, 1, reps, args.dir, False, reshard_from=args.dir / config_dir(size, 2)
                 )
-            print(json.dumps({k: v for k, v in all_results[(size_gib, world, "same")].items()}), flush=True)
+            print(json.dumps(all_results[(size_gib, world, "same")]), flush=True)
         shutil.rmtree(args.dir, ignore_errors=True)
     text = table(all_results)
     print(text)
-    write_results(all_results, text, args.results, args.reps, args.note)
-    plot(all_results, args.results.parent / "ckpt_speed.png")
+    if not args.no_write:
+        write_results(text, args.results, " ".join(map(str, args.reps)), args.note)
+        plot(all_results, args.results.parent / "ckpt_speed.png")
 
 
 if __name__ == "__main__":

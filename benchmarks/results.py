@@ -3,6 +3,8 @@
 
 import importlib.util
 import re
+import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -21,20 +23,23 @@ def write_section(section: str, path: Path = RESULTS) -> None:
     path.write_text(text)
 
 
-MEGATRON_CORE_INSTALL = (
-    "pip install --target /tmp/mcore-site --no-deps --ignore-requires-python megatron-core==0.19.2 psutil triton, "
-    "then run with PYTHONPATH=/tmp/mcore-site"
-)
+MEGATRON_CORE_INSTALL = "bash tests/install_megatron_core.sh .venv, then run with PYTHONPATH=.venv/megatron-core-0.19.2"
 
 
-def check_dependencies(required: list[str], peers: dict[str, str] | None = None) -> None:
-    """At start, not minutes in: exit naming the install command if a required module is missing; say which
-    optional peers (module -> how to install it) are not importable and will be left out of the comparison."""
+def check_dependencies(
+    required: list[str], peers: dict[str, str] | None = None, programs: list[str] | None = None
+) -> None:
+    """At start, not minutes in: exit naming the install command if a required module (or program on PATH) is
+    missing; say which optional peers (module -> how to install it) are not importable and will be left out of
+    the comparison."""
     script = Path(sys.argv[0]).name
     missing = [name for name in required if importlib.util.find_spec(name) is None]
     if missing:
         needed = ", ".join(missing)
-        sys.exit(f"{script} needs {needed}: pip install -c constraints.txt -e '.[test]' from the repository root")
+        sys.exit(f"{script} needs {needed}: pip install -c constraints.txt -e '.[bench]' from the repository root")
+    absent = [name for name in programs or [] if shutil.which(name) is None]
+    if absent:
+        sys.exit(f"{script} needs the program(s) {', '.join(absent)} on PATH (coreutils)")
     for name, install in (peers or {}).items():
         try:
             found = importlib.util.find_spec(name) is not None
@@ -42,3 +47,10 @@ def check_dependencies(required: list[str], peers: dict[str, str] | None = None)
             found = False
         if not found:
             print(f"{script}: {name} is not importable, so it is left out of the comparison ({install})")
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface, for a benchmark's process group."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -17,7 +17,6 @@ import argparse
 import os
 import platform
 import resource
-import socket
 import statistics
 import time
 from typing import Any, NamedTuple
@@ -27,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-from results import check_dependencies, write_section
+from results import check_dependencies, free_port, write_section
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -197,12 +196,6 @@ def worker(
             )
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def available_strategies() -> tuple[str, ...]:

@@ -12,7 +12,6 @@ run the layouts in rotated order. Writes `## Tensor parallelism` in benchmarks/R
 import argparse
 import os
 import platform
-import socket
 import statistics
 import time
 
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from results import check_dependencies, write_section
+from results import check_dependencies, free_port, write_section
 from torch.distributed.fsdp import fully_shard
 
 from nemo_ckpt.models.gpt import GPT, gpt_config, parallelize_gpt
@@ -80,12 +79,6 @@ def worker(rank: int, port: int, layouts: list[str], model_size: str, steps: int
                 results[layout] = times
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run(model_size: str, steps: int, reps: int, threads: int) -> dict[str, list[float]]:

@@ -15,14 +15,16 @@ from nemo_run.cli.api import RunContext
 
 import launch.local  # noqa: F401  (registers the `local` executor factory)
 import recipes  # noqa: F401  (registers the recipe factories of `pretrain`)
-from launch.slurm import sbatch_script
+from launch.slurm import check_job, check_layout, sbatch_script
 from nemo_ckpt.api import export_ckpt, finetune, import_ckpt, pretrain
 from nemo_ckpt.options import check_override
 
 
 @dataclass(kw_only=True)
 class DryRunShowsScript(RunContext):
-    """NeMo-Run's run context; with a Slurm executor, `--dryrun` also prints the sbatch script it would submit."""
+    """NeMo-Run's run context; with a Slurm executor, `--dryrun` also prints the sbatch script it would submit,
+    and the recipe is checked against the executor before anything is submitted (`launch.slurm.check_job`; with
+    `--dryrun` only `check_layout`, which needs no cluster)."""
 
     task: run.Partial | None = field(init=False, default=None)
 
@@ -35,7 +37,22 @@ class DryRunShowsScript(RunContext):
             for key in (arg.split("=", 1)[0].rstrip("+-*/") for arg in args if "=" in arg):
                 check_override(base, key)
             raise
+        if isinstance(self.executor, run.SlurmExecutor) and not any((self.to_yaml, self.to_toml, self.to_json)):
+            if self.dryrun:
+                check_layout(self.task, self.executor)
+            else:
+                check_job(self.task, self.executor)
         return self.task
+
+    def parse_executor(self, name: str, *args: str) -> run.Partial:
+        try:
+            return super().parse_executor(name, *args)
+        except Exception:
+            # `run.executor.ntasks_per_nod=2`: name the closest option, rather than NeMo-Run's parse error
+            base = super().parse_executor(name)
+            for key in (arg.split("=", 1)[0].rstrip("+-*/") for arg in args if "=" in arg):
+                check_override(base, key)
+            raise
 
     def cli_execute(self, fn: Callable, args: list[str], entrypoint_type: Literal["task", "experiment"] = "task"):
         super().cli_execute(fn, args, entrypoint_type)

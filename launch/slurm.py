@@ -15,6 +15,15 @@ Behaviour of NeMo-Run 0.11.1 worth knowing:
   torchrun then forwards it and waits that long for the workers, whose
   `nemo_ckpt.checkpoint.preemption.PreemptionCallback` checkpoints, stops and requeues the job.
   `B:` (batch shell only) is refused: NeMo-Run's batch script does not trap it and dies;
+* torchrun's agent logs at WARNING and `OMP_NUM_THREADS=1` (`launcher_env`, as the local executor);
+* `nodes > 1`: torchrun's multi-node rendezvous (`--nnodes N --rdzv-backend c10d --rdzv-endpoint
+  $head_node_ip:29500`, the first node's address from `hostname --ip-address` there); srun runs with
+  `--kill-on-bad-exit=1`, so a rank that fails (a process-group timeout) ends the job on every node, and
+  `--label`: each line of the job's log starts with the node's task number (`0: `, `1: `);
+* `check_job(task, executor)` checks before submitting what NeMo-Run leaves to the job: the recipe's
+  `trainer.num_nodes`/`devices` against `nodes`/`ntasks_per_node`, parallel sizes dividing the world
+  size, the partition's node count (`sinfo`), then `sbatch --test-only`; `nemo ... run.executor=slurm`
+  runs it before submitting (the layout part also with `--dryrun`);
 * `env_vars` become unquoted `export KEY=value` lines, so `$VAR` expands there;
 * `container_*` need Pyxis on the cluster; without an image srun runs in the job dir,
   and NeMo-Run replaces every `/nemo_run` in the sbatch script by the job dir, so the
@@ -40,6 +49,7 @@ from nemo_run.config import RUNDIR_NAME, get_nemorun_home
 
 from nemo_ckpt._compat import nemo_run_experiment_dir
 from nemo_ckpt.checkpoint.preemption import signal_number
+from nemo_ckpt.logger.text_log import launcher_env
 
 _TIME = re.compile(r"^(\d+-\d+(:[0-5]\d){0,2}|\d+(:[0-5]\d){0,2})$")
 _SIGNAL = re.compile(r"^(?P<flags>[RB]{1,2}:)?(?P<name>[A-Z0-9]+)(@(?P<seconds>\d+))?$")
@@ -99,10 +109,11 @@ def slurm_executor(
         time=time,
         container_image=container_image,
         container_mounts=list(container_mounts or []),
-        env_vars=torchrun_signal_env(signal) | dict(env_vars or {}),
+        env_vars=launcher_env() | torchrun_signal_env(signal) | dict(env_vars or {}),
         signal=signal,
         retries=retries,
         additional_parameters=additional_parameters,
+        srun_args=["--label"] if nodes > 1 else None,
         tunnel=tunnel,
         packager=packager or run.Packager(),
         launcher="torchrun",
@@ -244,3 +255,111 @@ def sbatch_script(task: run.Partial | run.Script, executor: run.SlurmExecutor, n
         return next(experiment_dir.glob("*_sbatch.sh")).read_text()
     finally:
         shutil.rmtree(experiment_dir, ignore_errors=True)
+
+
+def check_job(task: run.Partial | run.Script, executor: run.SlurmExecutor, timeout: float = 10) -> str:
+    """Everything checkable before `sbatch`: `check_layout`, `check_partition_nodes`, `check_submittable`.
+
+    Raises `ValueError` saying what to fix, with nothing submitted; returns sbatch's start estimate.
+    """
+    check_layout(task, executor)
+    check_partition_nodes(executor, timeout=timeout)
+    return check_submittable(executor, timeout=timeout)
+
+
+def check_layout(task: run.Partial | run.Script, executor: run.SlurmExecutor) -> None:
+    """The recipe's Trainer fits the executor's job: `trainer.num_nodes == nodes`, `trainer.devices ==
+    ntasks_per_node`, and its strategy's parallel sizes divide the world size (Megatron-Core's rules: TP x PP x CP
+    and ETP x EP x PP divide it). A task without a Trainer (a script) passes. Raises `ValueError` naming the
+    settings and both ways to fix them. Also: the data's global batch is a multiple of micro batch x data-parallel
+    size."""
+    trainer = _argument(task, "trainer")
+    if trainer is None:
+        return
+    nodes, ranks = executor.nodes, executor.torchrun_nproc_per_node or executor.ntasks_per_node
+    world = nodes * ranks
+    errors = []
+    num_nodes, devices = _argument(trainer, "num_nodes", 1), _argument(trainer, "devices", "auto")
+    if num_nodes != nodes:
+        errors.append(
+            f"trainer.num_nodes={num_nodes} but the executor has nodes={nodes}: set trainer.num_nodes={nodes} "
+            f"or run.executor.nodes={num_nodes}"
+        )
+    if isinstance(devices, int) and devices != ranks:
+        errors.append(
+            f"trainer.devices={devices} but the executor starts ntasks_per_node={ranks} ranks per node: set "
+            f"trainer.devices={ranks} or run.executor.ntasks_per_node={devices}"
+        )
+    strategy = _argument(trainer, "strategy")
+    tp = pp = cp = 1
+    if isinstance(strategy, run.Config):
+        sizes = {name: _argument(strategy, name, 1) or 1 for name in _PARALLEL_SIZES}
+        tp, pp, cp, ep = (sizes[name] for name in _PARALLEL_SIZES)
+        etp = _argument(strategy, "expert_tensor_parallel_size") or tp
+        where = f"the world size {world} (nodes={nodes} x ntasks_per_node={ranks})"
+        if world % (tp * pp * cp):
+            errors.append(
+                f"tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} x context_parallel_size={cp} "
+                f"= {tp * pp * cp} does not divide {where}: change the parallel sizes or the executor's nodes"
+            )
+        if ep > 1 and world % (etp * ep * pp):
+            errors.append(
+                f"expert_tensor_parallel_size={etp} x expert_model_parallel_size={ep} x pipeline_model_parallel_size="
+                f"{pp} = {etp * ep * pp} does not divide {where}: change the expert parallel sizes or the nodes"
+            )
+    data = _argument(task, "data")
+    global_batch, micro_batch = _argument(data, "global_batch_size"), _argument(data, "micro_batch_size")
+    data_parallel = world // (tp * pp * cp)
+    batches_known = isinstance(global_batch, int) and isinstance(micro_batch, int) and data_parallel > 0
+    if batches_known and world % (tp * pp * cp) == 0 and global_batch % (micro_batch * data_parallel):
+        errors.append(
+            f"data.global_batch_size={global_batch} is not a multiple of data.micro_batch_size={micro_batch} x "
+            f"data-parallel size {data_parallel}: set data.global_batch_size to a multiple of "
+            f"{micro_batch * data_parallel}"
+        )
+    if errors:
+        raise ValueError("recipe and Slurm executor do not fit: " + "; ".join(errors))
+
+
+def check_partition_nodes(executor: run.SlurmExecutor, timeout: float = 10) -> None:
+    """Ask `sinfo` (through the executor's tunnel) whether the partition exists and has `executor.nodes` nodes."""
+    cmd = shlex.join(["sinfo", "--noheader", "--format=%P|%D"])
+    try:
+        result = executor.tunnel.run(cmd, hide=True, warn=True, in_stream=False, timeout=timeout)
+    except Exception as error:  # invoke/fabric raise their own types for a missing command or a timeout
+        raise ValueError(f"cannot list the Slurm partitions ({cmd}): {error}") from error
+    if result.return_code != 0:
+        raise ValueError(f"cannot list the Slurm partitions ({cmd}): {(result.stderr + result.stdout).strip()}")
+    nodes: dict[str, int] = {}
+    default = None
+    for line in result.stdout.split():
+        name, count = line.rsplit("|", 1)
+        if name.endswith("*"):
+            name = default = name[:-1]
+        nodes[name] = nodes.get(name, 0) + int(count)
+    partition = executor.partition or default
+    if partition is None:
+        raise ValueError("the cluster has no default partition: set partition= to one of " + ", ".join(nodes))
+    if partition not in nodes:
+        raise ValueError(f"partition {partition!r} does not exist: set partition= to one of " + ", ".join(nodes))
+    if executor.nodes > nodes[partition]:
+        raise ValueError(
+            f"partition {partition!r} has {nodes[partition]} node(s), the job asks for nodes={executor.nodes}: "
+            "lower nodes or choose a partition with more (`sinfo` lists them)"
+        )
+
+
+_PARALLEL_SIZES = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+)
+
+
+def _argument(config: Any, name: str, default: Any = None) -> Any:
+    """A Fiddle config's argument (set, or its signature's default); `default` if it has no such argument."""
+    try:
+        return getattr(config, name)
+    except AttributeError:
+        return default

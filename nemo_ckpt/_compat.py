@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.filesystem import (
 )
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
@@ -45,6 +46,7 @@ __all__ = [
     "dcp_write_item",
     "dtensor_local_shape_and_offset",
     "enable_async_tensor_parallel",
+    "flatten_mesh_dims",
     "is_strided_shard",
     "lightning_ddp_kwargs",
     "nemo_run_cli_parse_union_types",
@@ -94,6 +96,11 @@ def dtensor_local_shape_and_offset(tensor: DTensor) -> tuple[tuple[int, ...], tu
 def is_strided_shard(placement: Placement) -> bool:
     """Whether `placement` is the strided `Shard` torch records for FSDP over a TP-sharded dim."""
     return isinstance(placement, _StridedShard)
+
+
+def flatten_mesh_dims(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
+    """Register `dims` of `mesh` flattened into one dimension `name` (then `mesh[name]`), as torchtitan does."""
+    return mesh[dims]._flatten(name)
 
 
 def enable_async_tensor_parallel(group_name: str) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from nemo_ckpt.checkpoint import context
-from nemo_ckpt.checkpoint.resume import AutoResume, RestoreCallback, RestoreConfig
+from nemo_ckpt.checkpoint.resume import AutoResume, RestoreCallback, RestoreConfig, restore_artifacts
 from nemo_ckpt.checkpoint.rng import RNGStateCallback
 from nemo_ckpt.conversion import export_ckpt, import_ckpt
 from nemo_ckpt.logger import NeMoLogger
@@ -40,6 +40,7 @@ def pretrain(
     ckpt_path = resume.find_checkpoint(log.checkpoint_dir)
     if isinstance(resume.restore_config, RestoreConfig):  # start from its weights unless this run resumes
         trainer.callbacks.append(RestoreCallback(resume.restore_config, resuming=ckpt_path is not None))
+        restore_artifacts(resume.restore_config, data)
     model = resume.restore_model(ckpt_path, model)
     if optim is not None:
         context.set_init_arg(model, "optim", optim)

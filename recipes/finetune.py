@@ -4,14 +4,14 @@ recipe = finetune_recipe(name="sft", restore_path="ckpts/imported", dataset_root
 recipe.trainer.max_steps = 20
 
 The model's config is the restored checkpoint's (an imported Hugging Face model or another run's checkpoint);
-the tokenizer defaults to the one imported with it (`<restore_path>/context/hf`).
+the tokenizer defaults to the one stored with it (`RestoreConfig(load_artifacts=True)`: an imported model's
+`<restore_path>/context/hf`).
 """
 
 import nemo_run as run
 
 from nemo_ckpt.api import finetune
 from nemo_ckpt.checkpoint import AutoResume, ModelCheckpoint
-from nemo_ckpt.checkpoint.layout import hf_artifacts_dir
 from nemo_ckpt.checkpoint.resume import RestoreConfig
 from nemo_ckpt.data.sft import FineTuningDataModule
 from nemo_ckpt.logger import NeMoLogger
@@ -55,8 +55,6 @@ def finetune_recipe(
         model = checkpoint_gpt_config(restore_path)
     except FileNotFoundError:
         model = gpt_config(model_size)
-    if tokenizer is None:
-        tokenizer = str(hf_artifacts_dir(restore_path))
     data_parallel_size = num_nodes * num_gpus_per_node
     recipe = run.Partial(
         finetune,

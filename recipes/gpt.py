@@ -142,17 +142,103 @@ def tiny(
 
 @run.cli.factory(target=pretrain, name="small")
 def small(
-    name: str = "small", dir: str | None = None, num_nodes: int = 1, num_gpus_per_node: int = 2, data: str = "mock"
+    name: str = "small",
+    dir: str | None = None,
+    num_nodes: int = 1,
+    num_gpus_per_node: int = 2,
+    data: str = "mock",
+    pipeline_parallelism: int = 1,
 ) -> run.Partial:
-    """A 3.7M-parameter model (`data=real`: on a generated corpus)."""
-    return pretrain_recipe(name, dir, num_nodes, num_gpus_per_node, model_size="small", data=data)
+    """A 3.7M-parameter model (`data=real`: on a generated corpus). `pipeline_parallelism`: its 4 layers split
+    into that many pipeline stages (1F1B), each step running `pipeline_parallelism` micro-batches of 2."""
+    if pipeline_parallelism == 1:
+        return pretrain_recipe(name, dir, num_nodes, num_gpus_per_node, model_size="small", data=data)
+    data_parallel_size = num_nodes * num_gpus_per_node // pipeline_parallelism
+    recipe = pretrain_recipe(
+        name,
+        dir,
+        num_nodes,
+        num_gpus_per_node,
+        model_size="small",
+        micro_batch_size=2,
+        global_batch_size=2 * data_parallel_size * pipeline_parallelism,
+        data=data,
+    )
+    recipe.trainer.strategy.pipeline_model_parallel_size = pipeline_parallelism
+    return recipe
+
+
+@run.cli.factory(target=pretrain, name="tiny_moe")
+def tiny_moe(
+    name: str = "tiny_moe",
+    dir: str | None = None,
+    num_nodes: int = 1,
+    num_gpus_per_node: int = 2,
+    expert_model_parallel_size: int = 2,
+    data: str = "mock",
+) -> run.Partial:
+    """The tiny model with 4 experts (top-2, aux and z-loss) in every layer, split over
+    `expert_model_parallel_size` ranks (all-to-all token dispatch); runs on 2 or 4 CPU processes."""
+    recipe = pretrain_recipe(name, dir, num_nodes, num_gpus_per_node, model_size="tiny_moe", data=data)
+    recipe.trainer.strategy.expert_model_parallel_size = expert_model_parallel_size
+    return recipe
+
+
+@run.cli.factory(target=pretrain, name="small_moe")
+def small_moe(
+    name: str = "small_moe",
+    dir: str | None = None,
+    num_nodes: int = 1,
+    num_gpus_per_node: int = 4,
+    expert_model_parallel_size: int = 4,
+    data: str = "mock",
+) -> run.Partial:
+    """The small model with 8 routed experts (top-2) and a shared expert per layer, experts split over
+    `expert_model_parallel_size` ranks."""
+    recipe = pretrain_recipe(name, dir, num_nodes, num_gpus_per_node, model_size="small_moe", data=data)
+    recipe.trainer.strategy.expert_model_parallel_size = expert_model_parallel_size
+    return recipe
+
+
+@run.cli.factory(target=pretrain, name="small_long_context")
+def small_long_context(
+    name: str = "small_long_context",
+    dir: str | None = None,
+    num_nodes: int = 1,
+    num_gpus_per_node: int = 2,
+    seq_length: int = 1024,
+    context_parallel_size: int = 2,
+    data: str = "mock",
+) -> run.Partial:
+    """The small model on `seq_length`-token sequences, each split over `context_parallel_size` ranks (ring
+    attention, Megatron's load-balanced chunks); one sequence per data-parallel rank and step."""
+    data_parallel_size = num_nodes * num_gpus_per_node // context_parallel_size
+    recipe = pretrain_recipe(
+        name, dir, num_nodes, num_gpus_per_node, model_size="small", global_batch_size=data_parallel_size, data=data
+    )
+    recipe.model.config.seq_length = seq_length
+    recipe.data.seq_length = seq_length
+    recipe.data.micro_batch_size = 1
+    recipe.trainer.strategy.context_parallel_size = context_parallel_size
+    return recipe
 
 
 @run.cli.factory(target=pretrain, name="llama3_8b")
 def llama3_8b(
-    name: str = "llama3_8b", dir: str | None = None, num_nodes: int = 1, num_gpus_per_node: int = 8
+    name: str = "llama3_8b",
+    dir: str | None = None,
+    num_nodes: int = 1,
+    num_gpus_per_node: int = 8,
+    tensor_parallelism: int = 1,
+    pipeline_parallelism: int = 1,
+    virtual_pipeline_parallelism: int | None = None,
 ) -> run.Partial:
-    """Llama 3 8B shapes (needs GPUs): FSDP2 with full sharding, built on `meta`, bf16 mixed precision."""
+    """Llama 3 8B shapes (needs GPUs): FSDP2 with full sharding, built on `meta`, bf16 mixed precision.
+
+    Model parallelism as in NeMo's `llama3_8b` recipe: `tensor_parallelism=1`, `pipeline_parallelism=1`,
+    `virtual_pipeline_parallelism=None` (set e.g. 2, 2 and 4 for a pipelined layout; activations between
+    stages go in bf16, NeMo's `pipeline_dtype`).
+    """
     recipe = pretrain_recipe(
         name,
         dir,
@@ -165,5 +251,9 @@ def llama3_8b(
     )
     recipe.trainer.strategy.ddp = ddp("optim_grads_params")
     recipe.trainer.strategy.init_model_with_meta_device = True
+    recipe.trainer.strategy.tensor_model_parallel_size = tensor_parallelism
+    recipe.trainer.strategy.pipeline_model_parallel_size = pipeline_parallelism
+    recipe.trainer.strategy.virtual_pipeline_model_parallel_size = virtual_pipeline_parallelism
+    recipe.trainer.strategy.pipeline_dtype = "bf16" if pipeline_parallelism > 1 else None
     recipe.trainer.precision = "bf16-mixed"
     return recipe

@@ -9,6 +9,7 @@ import nemo_run as run
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -69,6 +70,16 @@ def test_dtensor_local_shape_and_offset_on_two_ranks():
     shard, replicated = zip(*run_distributed(_dtensor_shapes, 2))
     assert shard == (((3, 4), (0, 0)), ((2, 4), (3, 0)))
     assert replicated == (((5, 4), (0, 0)), ((5, 4), (0, 0)))
+
+
+def _flattened_group_ranks(rank: int, world_size: int) -> list[int]:
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("a", "b"))
+    _compat.flatten_mesh_dims(mesh, ("a", "b"), "ab")
+    return dist.get_process_group_ranks(mesh["ab"].get_group())
+
+
+def test_flatten_mesh_dims_makes_a_named_dimension_over_both():
+    assert run_distributed(_flattened_group_ranks, 2) == [[0, 1], [0, 1]]
 
 
 def test_strided_shard_is_recognized():

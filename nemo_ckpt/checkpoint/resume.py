@@ -13,7 +13,13 @@ from torch.distributed.tensor import DTensor
 
 from nemo_ckpt import dist_checkpointing
 from nemo_ckpt.checkpoint import context
-from nemo_ckpt.checkpoint.layout import MANIFEST_NAME, completion_marker, is_complete, weights_dir
+from nemo_ckpt.checkpoint.layout import (
+    MANIFEST_NAME,
+    completion_marker,
+    hf_artifacts_dir,
+    is_complete,
+    weights_dir,
+)
 from nemo_ckpt.checkpoint.manifest import Manifest
 from nemo_ckpt.dist_checkpointing import ShardedTensor
 from nemo_ckpt.dist_checkpointing.dtensor import dtensor_to_sharded_tensor, local_tensor
@@ -117,12 +123,15 @@ class RestoreConfig:
     imported Hugging Face model or another run's checkpoint, any layout), with a fresh optimizer at step 0.
 
     `load_optim_state=True` is refused: a run that continues another run's optimizer resumes it
-    (`AutoResume(resume_from_path=...)`).
+    (`AutoResume(resume_from_path=...)`). With `load_artifacts`, the tokenizer stored with the checkpoint (an
+    imported model's `context/hf`) replaces the data module's, as NeMo restores the model's tokenizer from the
+    checkpoint's context (`restore_artifacts`).
     """
 
     path: str
     load_model_state: bool = True
     load_optim_state: bool = False
+    load_artifacts: bool = True
 
     def __post_init__(self) -> None:
         if self.load_optim_state:
@@ -140,6 +149,43 @@ class RestoreConfig:
                 "missing (import a Hugging Face model with nemo_ckpt.api.import_ckpt first)"
             )
         return path
+
+    def tokenizer_dir(self) -> Path | None:
+        """The tokenizer stored with the checkpoint (`context/hf` with `tokenizer.json` or `tokenizer_config.json`),
+        or None if it stores none."""
+        artifacts = hf_artifacts_dir(self.path)
+        if any((artifacts / name).is_file() for name in TOKENIZER_FILES):
+            return artifacts
+        return None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def restore_artifacts(config: RestoreConfig, data: pl.LightningDataModule) -> None:
+    """With `config.load_artifacts`, make `data` (a module with a `tokenizer_path`, e.g. `FineTuningDataModule`)
+    tokenize with the tokenizer stored in the restored checkpoint; a different tokenizer it names is replaced,
+    with a warning (set `load_artifacts=False` to keep it). Raises if neither names a tokenizer."""
+    if not config.load_artifacts or not hasattr(data, "tokenizer_path"):
+        return
+    stored = config.tokenizer_dir()
+    if stored is None:
+        if data.tokenizer_path is None:
+            raise ValueError(
+                f"RestoreConfig(path={config.path!r}, load_artifacts=True): {hf_artifacts_dir(config.path)} holds no "
+                f"tokenizer ({' or '.join(TOKENIZER_FILES)}) and {type(data).__name__}(tokenizer=None) names none: "
+                "pass tokenizer= to the data module"
+            )
+        log.info("RestoreConfig: %s stores no tokenizer; using %s", config.path, data.tokenizer_path)
+        return
+    if data.tokenizer_path is not None and Path(data.tokenizer_path).resolve() != stored.resolve():
+        log.warning(
+            "RestoreConfig(load_artifacts=True): tokenizing with the tokenizer stored in %s, not %s (set "
+            "load_artifacts=False to keep the data module's)",
+            stored,
+            data.tokenizer_path,
+        )
+    data.tokenizer_path = str(stored)
 
 
 class RestoreCallback(pl.Callback):

@@ -4,7 +4,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from nemo_ckpt.data.sampler import rank_sampler, set_gradient_accumulation
+from nemo_ckpt.data.sampler import ResumableDataLoader, rank_sampler, set_gradient_accumulation
 
 
 class ArithmeticSequences(Dataset):
@@ -64,8 +64,14 @@ class MockDataModule(pl.LightningDataModule):
         sampler = rank_sampler(self.trainer, len(dataset), consumed_samples, self.micro_batch_size)
         return DataLoader(dataset, batch_sampler=sampler, num_workers=self.num_workers)
 
+    def _consumed_samples(self) -> int:
+        return self.trainer.global_step * self.global_batch_size
+
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, self.trainer.global_step * self.global_batch_size)
+        sampler = rank_sampler(self.trainer, len(self.train_set), self._consumed_samples(), self.micro_batch_size)
+        return ResumableDataLoader(
+            self.train_set, batch_sampler=sampler, num_workers=self.num_workers, consumed_samples=self._consumed_samples
+        )
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, 0)

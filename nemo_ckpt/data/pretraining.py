@@ -4,7 +4,7 @@ A resumed run continues at `consumed_samples` (`global_step * global_batch_size`
 sampler; its dataloaders carry that in `state_dict`, so Lightning treats them as resumable.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from nemo_ckpt.data.blended_dataset import build_split_dataset, parse_blend
 from nemo_ckpt.data.gpt_dataset import GPTDatasetConfig, Split, parse_split
 from nemo_ckpt.data.indexed_dataset import IndexedDataset
-from nemo_ckpt.data.sampler import rank_sampler, set_gradient_accumulation
+from nemo_ckpt.data.sampler import ResumableDataLoader, rank_sampler, set_gradient_accumulation
 from nemo_ckpt.data.tokenizer import Tokenizer, get_tokenizer
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask")
@@ -25,21 +25,6 @@ BATCH_KEYS = ("tokens", "labels", "loss_mask")
 def collate_training_batch(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Stack the keys `GPTModel` trains on."""
     return {key: torch.stack([sample[key] for sample in samples]) for key in BATCH_KEYS}
-
-
-class ResumableDataLoader(DataLoader):
-    """A DataLoader over a `PretrainingSampler` whose state is the samples consumed before it (Lightning's
-    `_Stateful`): `load_state_dict` moves the sampler there before iteration starts."""
-
-    def __init__(self, *args: Any, consumed_samples: Callable[[], int], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._consumed_samples = consumed_samples
-
-    def state_dict(self) -> dict[str, int]:
-        return {"consumed_samples": self._consumed_samples()}
-
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        self.batch_sampler.consumed_samples = int(state_dict["consumed_samples"])
 
 
 class PreTrainingDataModule(pl.LightningDataModule):

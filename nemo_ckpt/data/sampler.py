@@ -1,9 +1,11 @@
-"""Megatron's pretraining sampler and the data-parallel coordinates it shards by (shared by the data modules)."""
+"""Megatron's pretraining sampler, the resumable DataLoader over it and the data-parallel coordinates it shards by
+(shared by the data modules)."""
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import lightning.pytorch as pl
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 
 
 class PretrainingSampler(Sampler[list[int]]):
@@ -37,6 +39,21 @@ class PretrainingSampler(Sampler[list[int]]):
         offset = self.data_parallel_rank * self.micro_batch_size
         for start in self._starts():
             yield list(range(start + offset, start + offset + self.micro_batch_size))
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader over a `PretrainingSampler` whose state is the samples consumed before it (Lightning's
+    `_Stateful`): `load_state_dict` moves the sampler there before iteration starts."""
+
+    def __init__(self, *args: Any, consumed_samples: Callable[[], int], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._consumed_samples = consumed_samples
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed_samples": self._consumed_samples()}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.batch_sampler.consumed_samples = int(state_dict["consumed_samples"])
 
 
 def data_parallel_rank_and_size(trainer: pl.Trainer) -> tuple[int, int]:

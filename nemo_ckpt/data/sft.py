@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from nemo_ckpt.data.sampler import rank_sampler, set_gradient_accumulation
+from nemo_ckpt.data.sampler import ResumableDataLoader, rank_sampler, set_gradient_accumulation
 from nemo_ckpt.data.tokenizer import Tokenizer, get_tokenizer
 
 TRAINING_FILE = "training.jsonl"
@@ -54,7 +54,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 class SFTDataset(Dataset):
-    """Tokenized SFT samples (`tokens`, `labels`, `loss_mask`, `position_ids`) of fixed length `seq_length`.
+    """Tokenized SFT samples (`tokens`, `labels`, `loss_mask`) of fixed length `seq_length`; their positions are
+    the model's default 0..seq_length-1 (only packed sequences would need `position_ids`).
 
     Index i of `num_samples` is record `order[i % len(records)]`, the order reshuffled every epoch from `seed`.
     """
@@ -111,19 +112,19 @@ class SFTDataset(Dataset):
             "tokens": sequence[:-1],
             "labels": sequence[1:],
             "loss_mask": torch.tensor(answer[1:], dtype=torch.float32),
-            "position_ids": torch.arange(self.seq_length),
         }
 
 
 class FineTuningDataModule(pl.LightningDataModule):
     """SFT data from `dataset_root` (`training.jsonl`, optional `validation.jsonl`), tokenized with `tokenizer`
     (a local Hugging Face tokenizer directory such as an imported checkpoint's `context/hf`, a SentencePiece
-    `.model` or `byte-level`)."""
+    `.model` or `byte-level`); None: the one stored with the checkpoint `finetune` restores
+    (`RestoreConfig(load_artifacts=True)`)."""
 
     def __init__(
         self,
         dataset_root: str,
-        tokenizer: str,
+        tokenizer: str | None = None,
         seq_length: int = 2048,
         micro_batch_size: int = 4,
         global_batch_size: int = 8,
@@ -164,6 +165,11 @@ class FineTuningDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str = "") -> None:
         set_gradient_accumulation(self.trainer, self.micro_batch_size, self.global_batch_size, "FineTuningDataModule")
+        if self.tokenizer_path is None:
+            raise ValueError(
+                "FineTuningDataModule(tokenizer=None): name a tokenizer, or fine-tune with "
+                "RestoreConfig(load_artifacts=True) from a checkpoint that stores one (an imported Hugging Face model)"
+            )
         self.tokenizer = get_tokenizer(self.tokenizer_path)
         num_train = max(1, self.trainer.max_steps) * self.global_batch_size
         self.train_set = self._dataset(self.dataset_root / TRAINING_FILE, num_train, self.seed)
@@ -174,8 +180,14 @@ class FineTuningDataModule(pl.LightningDataModule):
         sampler = rank_sampler(self.trainer, len(dataset), consumed_samples, self.micro_batch_size)
         return DataLoader(dataset, batch_sampler=sampler, num_workers=self.num_workers)
 
+    def _consumed_samples(self) -> int:
+        return self.trainer.global_step * self.global_batch_size
+
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, self.trainer.global_step * self.global_batch_size)
+        sampler = rank_sampler(self.trainer, len(self.train_set), self._consumed_samples(), self.micro_batch_size)
+        return ResumableDataLoader(
+            self.train_set, batch_sampler=sampler, num_workers=self.num_workers, consumed_samples=self._consumed_samples
+        )
 
     def val_dataloader(self) -> DataLoader | list:
         return [] if self.val_set is None else self._loader(self.val_set, 0)

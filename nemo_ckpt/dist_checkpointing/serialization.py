@@ -218,8 +218,9 @@ def save(
             cross-rank consistency check (e.g. to drop keys expected to differ).
         content_metadata: application metadata, read back with `load_content_metadata`.
         async_sharded_save: return an `AsyncRequest` instead of writing the shards now: the
-            data is staged on CPU, the request writes it and its finalize functions (the last one
-            writes `metadata.json`) complete the checkpoint. Needs a strategy with `async_save`.
+            data is staged on CPU (the common state serialized in memory), the request writes it
+            all and its finalize functions (the last one writes `metadata.json`) complete the
+            checkpoint. Needs a strategy with `async_save`.
     """
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
@@ -242,7 +243,10 @@ def save(
     if get_rank() == 0:
         _remove_stale_config(checkpoint_dir)
     barrier()
-    common_strategy.save_common(common_state_dict, checkpoint_dir)
+    if async_sharded_save:
+        write_common = common_strategy.save_common_async(common_state_dict, checkpoint_dir)
+    else:
+        common_strategy.save_common(common_state_dict, checkpoint_dir)
     if sharded_strategy.can_handle_sharded_objects:
         sharded_state_dict[COMMON_STATE_KEY] = ShardedObject(
             COMMON_STATE_KEY, common_state_dict, (1,), (0,), replica_id=get_rank()
@@ -264,9 +268,20 @@ def save(
         raise CheckpointingException(
             f"async_sharded_save=True needs a strategy with `async_save`; {sharded_strategy} has none"
         )
-    async_request = sharded_strategy.async_save(sharded_state_dict, checkpoint_dir)
+    async_request = _then_write(sharded_strategy.async_save(sharded_state_dict, checkpoint_dir), write_common)
     async_request.add_finalize_fn(lambda: _finalize_save(config, checkpoint_dir))
     return async_request
+
+
+def _then_write(request: AsyncRequest, write: Callable[[], None]) -> AsyncRequest:
+    """`request` whose background part also runs `write` (the common state's durable write), after its own."""
+
+    def write_all(*args: Any, **kwargs: Any) -> None:
+        if request.async_fn is not None:
+            request.async_fn(*args, **kwargs)
+        write()
+
+    return request._replace(async_fn=write_all)
 
 
 def _finalize_save(config: CheckpointingConfig, checkpoint_dir: Path) -> None:

@@ -18,6 +18,7 @@ import torch
 from lightning.fabric.utilities.throughput import get_available_flops
 
 from nemo_ckpt.models.gpt.model import GPTConfig
+from nemo_ckpt.models.gpt.moe import active_mlp_weights
 
 # Dense (no sparsity) bf16/fp16 tensor-core peak FLOP/s of data-center GPUs, from NVIDIA's data sheets, longest
 # name first; other devices fall back to Lightning's table (`get_available_flops`).
@@ -37,10 +38,10 @@ SIXTEEN_BIT_PRECISIONS = ("bf16-mixed", "bf16-true", "bf16", "16-mixed", "16-tru
 
 def matmul_weights(config: GPTConfig) -> int:
     """`N`: weights used in matrix multiplications (no embedding lookup, no norms)."""
-    h, f = config.hidden_size, config.ffn_hidden_size
+    h = config.hidden_size
     kv = config.num_query_groups * config.head_dim
-    per_layer = h * (h + 2 * kv) + h * h + 3 * h * f
-    return config.num_layers * per_layer + h * config.vocab_size
+    per_layer = h * (h + 2 * kv) + h * h
+    return config.num_layers * per_layer + active_mlp_weights(config) + h * config.vocab_size
 
 
 def training_flops_per_token(config: GPTConfig) -> int:

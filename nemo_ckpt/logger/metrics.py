@@ -106,7 +106,7 @@ class StepMetrics(pl.Callback):
 
     def _record(self, trainer: pl.Trainer, step_time: float) -> StepRecord:
         replicas = data_parallel_size(trainer)
-        tokens = self._tokens * replicas
+        tokens = self._tokens * replicas * getattr(trainer.strategy, "context_parallel_size", 1)  # 1/cp per rank
         tflops = mfu = None
         if self._flops_per_token is not None:
             flops_per_device = self._flops_per_token * tokens / trainer.world_size / step_time

@@ -30,11 +30,18 @@ from nemo_ckpt.logger.metrics import StepMetrics
 from nemo_ckpt.logger.progress import ProgressPrinter
 from nemo_ckpt.logger.run_config import write_run_config
 from nemo_ckpt.logger.text_log import TextLog, global_rank, quiet_console, verbose_requested
+from nemo_ckpt.options import strict_options
 
 CHECKPOINTS = "checkpoints"
 DATETIME_VERSION = "%Y-%m-%d_%H-%M-%S"
+# NeMo NeMoLogger options not implemented here, with what they mean in NeMo.
+NEMO_UNSUPPORTED = {
+    "log_local_rank_0_only": "only local rank 0 of each node writes a text log; use log_global_rank_0_only",
+    "files_to_copy": "files copied into the log directory; the run's config.yaml and cmd-args.log are written",
+}
 
 
+@strict_options(NEMO_UNSUPPORTED)
 @dataclass
 class NeMoLogger:
     """Logs of a run under `<log_dir>/<name>/<version>/`, checkpoints under `<log_dir>/<name>/checkpoints/`.

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 ADAPTER_PARAMS = ("lora_a", "lora_b")
 
@@ -41,7 +42,7 @@ class LoRALinear(nn.Linear):
         self.lora_a = nn.Parameter(torch.empty(dim, self.in_features, **factory))
         self.lora_b = nn.Parameter(torch.empty(self.out_features, dim, **factory))
         self.scale = alpha / dim
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = dropout  # a float, not an `nn.Dropout` child: TP styles partition every child module
         if not base.weight.is_meta:
             self.reset_adapters()
 
@@ -56,7 +57,21 @@ class LoRALinear(nn.Linear):
         self.reset_adapters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight) + F.linear(F.linear(self.dropout(x), self.lora_a), self.lora_b) * self.scale
+        return F.linear(x, self.weight) + F.linear(F.linear(self._drop(x), self.lora_a), self.lora_b) * self.scale
+
+    def tensor_parallel_placements(self, style: str) -> dict[str, Placement]:
+        """The adapters' placements over `tp` when the base layer is `style`-parallel (`"colwise"`: weight
+        `Shard(0)`, or `"rowwise"`: weight `Shard(1)`), as Megatron-Core/NeMo shard LoRA: a column-parallel base
+        gets `lora_a` replicated and `lora_b` split on the output rows; a row-parallel base gets `lora_a` split on
+        the input columns and `lora_b` replicated (its partial sums are reduced with the base layer's output)."""
+        if style == "colwise":
+            return {"lora_a": Replicate(), "lora_b": Shard(0)}
+        if style == "rowwise":
+            return {"lora_a": Shard(1), "lora_b": Replicate()}
+        raise ValueError(f"LoRALinear.tensor_parallel_placements(style={style!r}): use 'colwise' or 'rowwise'")
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.dropout, self.training) if self.dropout else x
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:

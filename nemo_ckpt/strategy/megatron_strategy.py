@@ -21,17 +21,44 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.optim import Optimizer
 
 from nemo_ckpt._compat import lightning_ddp_kwargs, optimizers_to_device
-from nemo_ckpt.options import UnsupportedOptionError, strict_options
+from nemo_ckpt.options import strict_options
+from nemo_ckpt.parallel.context_parallel import apply_context_parallel, check_context_parallel_options, split_batch
 from nemo_ckpt.parallel.ddp import apply_ddp
 from nemo_ckpt.parallel.ddp_config import DistributedDataParallelConfig
+from nemo_ckpt.parallel.expert_parallel import (
+    ExpertParallelGradReducer,
+    apply_expert_parallel,
+    check_expert_parallel_options,
+    complete_expert_param_groups,
+    expert_replica_ids,
+    shard_expert_scalar_state,
+    shard_experts_fsdp,
+)
 from nemo_ckpt.parallel.fsdp import apply_fsdp
 from nemo_ckpt.parallel.gradients import GradientAllReducer, check_grads_finite
-from nemo_ckpt.parallel.mesh import DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM, build_device_mesh
+from nemo_ckpt.parallel.mesh import (
+    CONTEXT_PARALLEL_DIM,
+    DATA_PARALLEL_DIM,
+    EXPERT_DATA_PARALLEL_DIM,
+    PIPELINE_PARALLEL_DIM,
+    TENSOR_PARALLEL_DIM,
+    ParallelDims,
+)
 from nemo_ckpt.parallel.meta_init import materialize
+from nemo_ckpt.parallel.pipeline import (
+    MicroBatchGroups,
+    PipelineConfig,
+    PipelineRunner,
+    PipelineSplittable,
+    TiedWeight,
+    check_pipeline_options,
+    merge_pipeline_optimizer_state,
+    tied_weight,
+)
 from nemo_ckpt.parallel.tensor_parallel import apply_tensor_parallel
 from nemo_ckpt.parallel.zero import ZeroOneSharding
 from nemo_ckpt.strategy.checkpoint_io import DistCheckpointIO, DistCheckpointOptions
@@ -62,17 +89,15 @@ def ddp_config_from(ddp: str | DistributedDataParallelConfig) -> DistributedData
 
 # NeMo MegatronStrategy options this strategy does not implement, with what they mean in NeMo.
 NEMO_UNSUPPORTED = {
-    "pipeline_model_parallel_comm_backend": "the backend of pipeline-parallel send/recv; no pipeline parallelism here",
-    "microbatch_group_size_per_vp_stage": "micro-batches per virtual pipeline stage; no pipeline parallelism here",
+    "pipeline_model_parallel_comm_backend": "the backend of pipeline send/recv; the process group's is used",
     "encoder_tensor_model_parallel_size": "tensor parallelism of an encoder (encoder-decoder models)",
     "encoder_pipeline_model_parallel_size": "pipeline stages of an encoder (encoder-decoder models)",
-    "moe_extended_tp": "experts sharded over tensor-parallel ranks; no mixture of experts here",
+    "moe_extended_tp": "experts sharded over tensor-parallel ranks; expert tensor parallelism is not implemented",
     "num_distributed_optimizer_instances": "replicas of Megatron's distributed optimizer; ZeRO-1 here is "
     "data_parallel_sharding_strategy='optim'",
     "data_sampler": "NeMo's MegatronDataSampler; the data module's sampler is used here",
     "fsdp": "'megatron' or 'pytorch' FSDP; set ddp.data_parallel_sharding_strategy='optim_grads_params' (FSDP2)",
     "lazy_init": "build the model without allocating weights; use init_model_with_meta_device=True",
-    "pipeline_dtype": "the dtype of pipeline-parallel activations; no pipeline parallelism here",
     "use_te_rng_tracker": "Transformer Engine's CUDA RNG tracker; no Transformer Engine here",
     "use_sharp": "SHARP in-network reductions for NCCL",
     "ckpt_load_optimizer": "whether a resume loads the optimizer state; it always does here (weights-only "
@@ -90,22 +115,14 @@ NEMO_UNSUPPORTED = {
     "megatron_log_level": "Megatron-Core's log level",
     "nccl_communicator_config_path": "NCCL communicator settings from a YAML file",
     "use_tp_pp_dp_mapping": "rank order tp-pp-dp instead of tp-dp-pp",
-    "account_for_embedding_in_pipeline_split": "count the embedding as a pipeline layer; no pipeline parallelism",
-    "account_for_loss_in_pipeline_split": "count the loss as a pipeline layer; no pipeline parallelism",
+    "account_for_embedding_in_pipeline_split": "count the embedding as a layer; see num_layers_in_first_pipeline_stage",
+    "account_for_loss_in_pipeline_split": "count the loss as a pipeline layer; use num_layers_in_last_pipeline_stage",
     "checkpoint_io": "a custom CheckpointIO; checkpoints go through DistCheckpointIO, set by the ckpt_* options",
     "ddp_comm_state": "a DDP communication hook's state (Lightning); gradients are reduced as `ddp` configures",
     "ddp_comm_hook": "a DDP communication hook (Lightning); gradients are reduced as `ddp` configures",
     "ddp_comm_wrapper": "a DDP communication hook wrapper (Lightning); gradients are reduced as `ddp` configures",
     "model_averaging_period": "Lightning's post-local SGD model averaging",
     "bucket_cap_mb": "DDP's bucket size in MB; set ddp.bucket_size (elements) instead",
-}
-# NeMo parallelisms this strategy does not implement: accepted at their NeMo default only.
-NEMO_PARALLELISM_DEFAULTS = {
-    "pipeline_model_parallel_size": (1, "layers split into pipeline stages over ranks"),
-    "virtual_pipeline_model_parallel_size": (None, "interleaved pipeline stages per rank"),
-    "context_parallel_size": (1, "sequences split over ranks (ring attention)"),
-    "expert_model_parallel_size": (1, "mixture-of-experts experts spread over ranks"),
-    "expert_tensor_parallel_size": (None, "tensor parallelism within experts"),
 }
 # torch DistributedDataParallel's options, passed through as in Lightning's DDPStrategy.
 DDP_DEFAULTS = {
@@ -118,21 +135,23 @@ DDP_DEFAULTS = {
 
 @strict_options(NEMO_UNSUPPORTED)
 class MegatronStrategy(DDPStrategy):
-    """Data-parallel training (DDP, ZeRO-1 or FSDP2 from `ddp`) with sharded, reshardable checkpoints.
+    """Megatron-style parallel training with sharded, reshardable checkpoints, on a (pp, dp, cp, tp) mesh
+    (`nemo_ckpt/parallel/mesh.py`; the data-parallel size is what the world size leaves after pp x cp x tp).
 
-    `tensor_model_parallel_size`, `sequence_parallel`: Megatron's tensor (and sequence) parallelism on DTensor
-    over the `tp` dimension of a (dp, tp) mesh (the model's own plan, e.g. nemo_ckpt/models/gpt/parallelize.py),
-    applied before the data
-    parallelism of `ddp` over `dp` (FSDP2 on the 2-D mesh; with `no_shard`, gradients are averaged over dp
-    by `GradientAllReducer`). The data-parallel size is world size / tensor_model_parallel_size.
-    `ddp`: a `DistributedDataParallelConfig`, or `"megatron"` / `"pytorch"` as in NeMo.
+    `ddp`: a `DistributedDataParallelConfig` (DDP, ZeRO-1 or FSDP2 over dp x cp), or `"megatron"` / `"pytorch"`.
+    `tensor_model_parallel_size`, `sequence_parallel`: tensor (and sequence) parallelism on DTensor over `tp`, with
+    the model's own plan (e.g. nemo_ckpt/models/gpt/parallelize.py), applied before data parallelism.
+    `pipeline_model_parallel_size`, `virtual_pipeline_model_parallel_size`, `microbatch_group_size_per_vp_stage`,
+    `pipeline_dtype`, `pipeline_schedule`: pipeline parallelism over `pp` (`nemo_ckpt/parallel/pipeline.py`).
+    `context_parallel_size`, `cp_comm_type`: sequences split over `cp`, ring attention
+    (`nemo_ckpt/parallel/context_parallel.py`).
+    `expert_model_parallel_size`: MoE experts split over that many ranks of dp x cp
+    (`nemo_ckpt/parallel/expert_parallel.py`); `expert_tensor_parallel_size`: None or 1 only.
     `init_model_with_meta_device`: build the model on `meta` in `configure_model`, then materialize it module
     by module with `reset_parameters` while sharding, so no rank ever holds the whole model.
     bf16 mixed precision comes from the Trainer (`precision="bf16-mixed"`): fp32 parameters (the master
     weights), bf16 compute, gradients reduced in fp32 if `ddp.grad_reduce_in_fp32`, else in bf16.
-    `ckpt_*`: `DistCheckpointOptions`. `pipeline_model_parallel_size`, `virtual_pipeline_model_parallel_size`,
-    `context_parallel_size`, `expert_model_parallel_size`, `expert_tensor_parallel_size`: only NeMo's defaults
-    (no such parallelism here). `find_unused_parameters`, `gradient_as_bucket_view`, `static_graph`,
+    `ckpt_*`: `DistCheckpointOptions`. `find_unused_parameters`, `gradient_as_bucket_view`, `static_graph`,
     `broadcast_buffers`: torch DDP's, used with `ddp` `no_shard` or `optim` without tensor parallelism.
     `parallel_devices`, `cluster_environment`, `process_group_backend`, `timeout`: Lightning's DDPStrategy's.
     Any other argument is an error: a misspelt one names the closest option, a NeMo option not implemented here
@@ -160,7 +179,11 @@ class MegatronStrategy(DDPStrategy):
         ckpt_verify_on_load: bool = False,
         pipeline_model_parallel_size: int = 1,
         virtual_pipeline_model_parallel_size: int | None = None,
+        microbatch_group_size_per_vp_stage: int | None = None,
+        pipeline_dtype: torch.dtype | str | None = None,
+        pipeline_schedule: str | None = None,
         context_parallel_size: int = 1,
+        cp_comm_type: str | None = None,
         expert_model_parallel_size: int = 1,
         expert_tensor_parallel_size: int | None = None,
         find_unused_parameters: bool = False,
@@ -172,19 +195,6 @@ class MegatronStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(minutes=30),
     ) -> None:
-        parallelism = {
-            "pipeline_model_parallel_size": pipeline_model_parallel_size,
-            "virtual_pipeline_model_parallel_size": virtual_pipeline_model_parallel_size,
-            "context_parallel_size": context_parallel_size,
-            "expert_model_parallel_size": expert_model_parallel_size,
-            "expert_tensor_parallel_size": expert_tensor_parallel_size,
-        }
-        for name, (default, meaning) in NEMO_PARALLELISM_DEFAULTS.items():
-            if parallelism[name] != default:
-                raise UnsupportedOptionError(
-                    f"MegatronStrategy: not supported: {name}={parallelism[name]!r} (NeMo meaning: {meaning}); "
-                    f"leave it at {default!r}"
-                )
         ddp_kwargs = {
             "find_unused_parameters": find_unused_parameters,
             "gradient_as_bucket_view": gradient_as_bucket_view,
@@ -239,10 +249,39 @@ class MegatronStrategy(DDPStrategy):
                 "data_parallel_sharding_strategy='optim' (ZeRO-1); use 'no_shard', 'optim_grads' or "
                 "'optim_grads_params'"
             )
+        check_expert_parallel_options(
+            expert_model_parallel_size,
+            expert_tensor_parallel_size,
+            tensor_model_parallel_size,
+            self.ddp_config.data_parallel_sharding_strategy,
+            {
+                "pipeline_model_parallel_size": pipeline_model_parallel_size,
+                "context_parallel_size": context_parallel_size,
+            },
+        )
+        self.pipeline_config = PipelineConfig(
+            pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size,
+            microbatch_group_size_per_vp_stage,
+            pipeline_dtype,
+            pipeline_schedule,
+        )
+        check_pipeline_options(self.pipeline_config, self.ddp_config, context_parallel_size)
+        self.cp_comm_type = check_context_parallel_options(context_parallel_size, cp_comm_type)
+        self.context_parallel_size = context_parallel_size
+        self._pipeline: PipelineRunner | None = None
+        self._pipeline_batch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._tied_weight: TiedWeight | None = None
+        self.expert_model_parallel_size = expert_model_parallel_size
+        self.expert_tensor_parallel_size = expert_tensor_parallel_size
+        self._expert_mesh: DeviceMesh | None = None
+        self._expert_grad_reducer: ExpertParallelGradReducer | None = None
         self.tensor_model_parallel_size = tensor_model_parallel_size
         self.sequence_parallel = sequence_parallel
         self.init_model_with_meta_device = init_model_with_meta_device
+        self._parallel_dims: ParallelDims | None = None
         self._device_mesh: DeviceMesh | None = None
+        self._data_context_parallel_mesh: DeviceMesh | None = None
         self._fsdp_modules: list[FSDPModule] = []
         self._tensor_parallel_grad_reducer: GradientAllReducer | None = None
         self._zero: dict[Optimizer, ZeroOneSharding] = {}
@@ -256,24 +295,57 @@ class MegatronStrategy(DDPStrategy):
         return True
 
     @property
+    def parallel_dims(self) -> ParallelDims:
+        """The size of each parallel dimension, known when the process group starts."""
+        if self._parallel_dims is None:
+            raise RuntimeError("MegatronStrategy.parallel_dims is set in setup_environment(); use it after that")
+        return self._parallel_dims
+
+    @property
     def device_mesh(self) -> DeviceMesh:
-        """The (dp, tp) device mesh, built when the process group starts."""
+        """The (pp, dp, cp, tp) device mesh (see `parallel/mesh.py`), built when the process group starts."""
         if self._device_mesh is None:
             raise RuntimeError("MegatronStrategy.device_mesh is built in setup_environment(); use it after that")
         return self._device_mesh
 
     @property
     def data_parallel_mesh(self) -> DeviceMesh:
+        """Ranks that read different batches (the data samplers shard over it)."""
         return self.device_mesh[DATA_PARALLEL_DIM]
+
+    @property
+    def data_context_parallel_mesh(self) -> DeviceMesh:
+        """Ranks holding the same weights (dp x cp): gradients are reduced and FSDP/ZeRO-1 shard over it."""
+        if self._data_context_parallel_mesh is None:
+            raise RuntimeError("MegatronStrategy's meshes are built in setup_environment(); use them after that")
+        return self._data_context_parallel_mesh
+
+    @property
+    def context_parallel_mesh(self) -> DeviceMesh:
+        """Ranks splitting each sequence (ring attention); they read the same batch and hold the same weights."""
+        return self.device_mesh[CONTEXT_PARALLEL_DIM]
 
     @property
     def tensor_parallel_mesh(self) -> DeviceMesh:
         return self.device_mesh[TENSOR_PARALLEL_DIM]
 
+    @property
+    def pipeline_parallel_mesh(self) -> DeviceMesh:
+        """Ranks holding consecutive pipeline stages of the same model replica."""
+        return self.device_mesh[PIPELINE_PARALLEL_DIM]
+
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._device_mesh = build_device_mesh(self.root_device.type, self.tensor_model_parallel_size, self.world_size)
-        self.checkpoint_io.set_data_parallel_group(self.data_parallel_mesh.get_group())
+        self._parallel_dims = ParallelDims(
+            self.world_size,
+            tp=self.tensor_model_parallel_size,
+            pp=self.pipeline_config.pipeline_model_parallel_size,
+            cp=self.context_parallel_size,
+            ep=self.expert_model_parallel_size,
+        )
+        self._device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
+        self._data_context_parallel_mesh = ParallelDims.data_context_parallel_mesh(self._device_mesh)
+        self.checkpoint_io.set_data_parallel_group(self.data_context_parallel_mesh.get_group())
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
@@ -308,13 +380,28 @@ class MegatronStrategy(DDPStrategy):
         """Apply the configured data parallelism to the LightningModule (materializing it if on `meta`)."""
         config = self.ddp_config
         compute_dtype = self._mixed_precision_dtype()
+        if self.pipeline_config.enabled:
+            return self._setup_pipeline_model(model, compute_dtype)
+        sequence_shards = self.tensor_model_parallel_size if self.sequence_parallel else 1
+        apply_context_parallel(
+            model, self.context_parallel_mesh, self.data_context_parallel_mesh, self.cp_comm_type, sequence_shards
+        )
+        moe_layers = self._split_experts(model)
+        if self._expert_mesh is not None and not config.shards_parameters:
+            materialize(model, self.root_device)
+            self._expert_grad_reducer = ExpertParallelGradReducer(
+                model.to(self.root_device),
+                self.data_context_parallel_mesh.get_group(),
+                self._expert_mesh[EXPERT_DATA_PARALLEL_DIM].get_group(),
+            )
+            return model
         if self.tensor_model_parallel_size > 1:
             apply_tensor_parallel(model, self.tensor_parallel_mesh, self.sequence_parallel, self.root_device)
             if not config.shards_parameters:
                 model.to(self.root_device)
-                if self.data_parallel_mesh.size() > 1:  # DDP cannot reduce DTensor gradients
+                if self.data_context_parallel_mesh.size() > 1:  # DDP cannot reduce DTensor gradients
                     self._tensor_parallel_grad_reducer = GradientAllReducer(
-                        model, self.data_parallel_mesh.get_group(), config.overlap_grad_reduce
+                        model, self.data_context_parallel_mesh.get_group(), config.overlap_grad_reduce
                     )
                 return model
         if config.shards_parameters:
@@ -324,7 +411,9 @@ class MegatronStrategy(DDPStrategy):
                     "so keep parameters in submodules (e.g. `self.module`)"
                 )
             roots = [child for child in model.children() if any(True for _ in child.parameters())]
-            self._fsdp_modules = apply_fsdp(roots, self.data_parallel_mesh, config, self.root_device, compute_dtype)
+            self._fsdp_modules = self._shard_experts(moe_layers, compute_dtype) + apply_fsdp(
+                roots, self.data_context_parallel_mesh, config, self.root_device, compute_dtype
+            )
             return model
         materialize(model, self.root_device)
         model.to(self.root_device)
@@ -332,13 +421,124 @@ class MegatronStrategy(DDPStrategy):
         reduce_dtype = None if config.grad_reduce_in_fp32 or compute_dtype is None else compute_dtype
         return apply_ddp(
             model,
-            self.data_parallel_mesh,
+            self.data_context_parallel_mesh,
             config,
             self.determine_ddp_device_ids(),
             grad_dtype,
             reduce_dtype,
             **lightning_ddp_kwargs(self),
         )
+
+    def _split_experts(self, model: nn.Module) -> list:
+        """Keep this rank's experts (expert_model_parallel_size > 1) and give MoE layers their process groups."""
+        dims = self.parallel_dims
+        if self.expert_model_parallel_size > 1:
+            self._expert_mesh = dims.build_expert_mesh(self.root_device.type)
+        dp_mesh = self.data_context_parallel_mesh
+        layers = apply_expert_parallel(model, self._expert_mesh, dp_mesh.get_group() if dp_mesh.size() > 1 else None)
+        if self._expert_mesh is not None and not layers:
+            raise ValueError(
+                f"MegatronStrategy(expert_model_parallel_size={self.expert_model_parallel_size}) needs a model with "
+                "experts (GPTConfig.num_moe_experts); set expert_model_parallel_size=1 for a dense model"
+            )
+        if layers and self.tensor_model_parallel_size > 1:
+            raise ValueError(
+                "MegatronStrategy: tensor_model_parallel_size > 1 with a mixture-of-experts model "
+                "(num_moe_experts) is not supported yet; use expert_model_parallel_size and data parallelism"
+            )
+        return layers
+
+    def _shard_experts(self, moe_layers: list, compute_dtype: torch.dtype | None) -> list[FSDPModule]:
+        """FSDP2 of split experts over the expert-data-parallel ranks (unsplit experts shard with their layer)."""
+        if self._expert_mesh is None:
+            return []
+        config = self.ddp_config
+        reduce_dtype = torch.float32 if config.grad_reduce_in_fp32 else compute_dtype
+        return shard_experts_fsdp(
+            moe_layers,
+            self._expert_mesh,
+            self.data_context_parallel_mesh.size(),
+            self.root_device,
+            MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype),
+            reshard_after_forward=config.data_parallel_sharding_strategy == "optim_grads_params",
+        )
+
+    def _setup_pipeline_model(self, model: nn.Module, compute_dtype: torch.dtype | None) -> nn.Module:
+        """Keep this rank's pipeline stages, apply tensor and data parallelism to them, build the schedule."""
+        if not isinstance(model, PipelineSplittable):
+            raise TypeError(
+                f"pipeline_model_parallel_size > 1 needs a model that splits itself into stages (a `split_pipeline` "
+                f"method, as nemo_ckpt's GPTModel has); {type(model).__name__} has none"
+            )
+        config, dp_mesh = self.ddp_config, self.data_context_parallel_mesh
+        stages = model.split_pipeline(self.pipeline_parallel_mesh, self.pipeline_config.virtual_size)
+        if self.tensor_model_parallel_size > 1:
+            apply_tensor_parallel(model, self.tensor_parallel_mesh, self.sequence_parallel, self.root_device)
+        if config.shards_parameters:
+            modules = [module for _, module in stages]
+            self._fsdp_modules = apply_fsdp(modules, dp_mesh, config, self.root_device, compute_dtype)
+        else:
+            materialize(model, self.root_device)
+            model.to(self.root_device)
+            if dp_mesh.size() > 1:  # gradients of all micro-batches are averaged over dp after the schedule
+                self._tensor_parallel_grad_reducer = GradientAllReducer(model, dp_mesh.get_group(), False)
+        self._tied_weight = tied_weight(model, self.device_mesh, PIPELINE_PARALLEL_DIM)
+        if self._tied_weight is not None:
+            self._tied_weight.broadcast()
+        trainer = self.lightning_module.trainer
+        num_microbatches = trainer.accumulate_grad_batches  # the pipeline runs them in one step
+        trainer.accumulate_grad_batches = 1
+        pp_mesh = self.pipeline_parallel_mesh
+        self._pipeline = PipelineRunner(
+            self.pipeline_config, stages, pp_mesh, self.root_device, num_microbatches, model.pipeline_loss
+        )
+        return model
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        if self._pipeline is None:
+            return super().process_dataloader(dataloader)
+        return MicroBatchGroups(dataloader, self._pipeline.num_microbatches)  # a batch holds a step's micro-batches
+
+    def _pipeline_step(self, closure_loss: torch.Tensor) -> torch.Tensor:
+        """Run the pipeline schedule on the step's batch (after Lightning zeroed the gradients); reduce the
+        gradients and log the loss as NeMo does."""
+        module = self.lightning_module
+        with self.precision_plugin.train_step_context():
+            loss = self._pipeline.run(*self._pipeline_batch, train=True)
+        self._pipeline_batch = None
+        if self._tensor_parallel_grad_reducer is not None:
+            self._tensor_parallel_grad_reducer.finish()
+        if self._tied_weight is not None:
+            self._tied_weight.all_reduce_grad()
+        if self.ddp_config.check_for_nan_in_grad:
+            check_grads_finite(module, dist.group.WORLD, module.trainer.global_step)
+        module.log("reduced_train_loss", loss, prog_bar=True, sync_dist=True, batch_size=1)
+        return closure_loss
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().training_step(*args, **kwargs)
+        module = self.lightning_module
+        self._pipeline_batch = module.pipeline_inputs(args[0])
+        for scheduler in module.trainer.lr_scheduler_configs:
+            module.log("lr", scheduler.scheduler.get_last_lr()[0], batch_size=1)
+        return torch.zeros((), device=self.root_device)  # backward() runs the schedule
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        module = self.lightning_module
+        with self.precision_plugin.val_step_context():
+            loss = self._pipeline.run(*module.pipeline_inputs(args[0]), train=False)
+        module.log("val_loss", loss, prog_bar=True, sync_dist=True, batch_size=self._pipeline.num_microbatches)
+        return loss
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """The batch on this rank's device; with context parallelism, this cp rank's chunks of its sequences."""
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self.context_parallel_size > 1:
+            batch = split_batch(batch, self.context_parallel_size, self.context_parallel_mesh.get_local_rank())
+        return batch
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
@@ -348,16 +548,20 @@ class MegatronStrategy(DDPStrategy):
                 self._zero[optimizer] = ZeroOneSharding(
                     optimizer,
                     self.lightning_module,
-                    self.data_parallel_mesh.get_group(),
+                    self.data_context_parallel_mesh.get_group(),
                     self.ddp_config.overlap_param_gather,
                 )
 
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
+        if self._pipeline is not None:  # the schedule runs forward and backward once all micro-batches are in
+            return self._pipeline_step(closure_loss)
         loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         if self._tensor_parallel_grad_reducer is not None:
             self._tensor_parallel_grad_reducer.finish()
+        if self._expert_grad_reducer is not None:
+            self._expert_grad_reducer.finish()
         if self.ddp_config.check_for_nan_in_grad:
             check_grads_finite(self.lightning_module, dist.group.WORLD, self.lightning_module.trainer.global_step)
         return loss
@@ -374,20 +578,36 @@ class MegatronStrategy(DDPStrategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._settle_parameters()
-        return model_sharded_state_dict(
-            self.lightning_module.state_dict(), replica_id=self.data_parallel_mesh.get_local_rank()
-        )
+        state_dict = self.lightning_module.state_dict()
+        expert_replicas = {}
+        if self._expert_mesh is not None:  # experts split: copies only among the edp ranks
+            edp_rank = self._expert_mesh[EXPERT_DATA_PARALLEL_DIM].get_local_rank()
+            expert_replicas = expert_replica_ids(state_dict, edp_rank)
+        if self._tied_weight is not None and not self._tied_weight.is_first:  # written by the first stage
+            expert_replicas[self._tied_weight.name] = 1 + self.data_context_parallel_mesh.get_local_rank()
+        replica_id = self.data_context_parallel_mesh.get_local_rank()
+        if self._pipeline is not None and self.ddp_config.shards_parameters:
+            replica_id = 0  # FSDP2 shards over dp: no other copy (other pipeline stages hold other keys)
+        return model_sharded_state_dict(state_dict, replica_id=replica_id, replica_ids=expert_replicas)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         optimizer = _unwrap(optimizer)
         names = self._param_names()
         optim_state = named_optimizer_state(optimizer, names)
+        if self._pipeline is not None:  # the common part holds every stage's names and scalar state
+            optim_state = merge_pipeline_optimizer_state(optim_state, self.pipeline_parallel_mesh.get_group())
         zero = self._zero.get(optimizer)
         if zero is not None:
             zero.complete_named_state(optim_state, names)
-        return optimizer_sharded_state_dict(
+        sharded = optimizer_sharded_state_dict(
             optim_state, self.lightning_module_state_dict(), state_replica_id=None if zero is None else 0
         )
+        expert_replica_mesh = self.data_context_parallel_mesh
+        if self._expert_mesh is not None:
+            expert_replica_mesh = self._expert_mesh[EXPERT_DATA_PARALLEL_DIM]
+            complete_expert_param_groups(sharded, self.lightning_module)
+        shard_expert_scalar_state(sharded, expert_replica_mesh.get_local_rank())
+        return sharded
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """The template a checkpoint is loaded into: model and optimizer entries, as in a saved checkpoint.

@@ -32,20 +32,24 @@ def dtensor_sharded_tensor(key: str, dtensor: DTensor, replica_id: int) -> Shard
     return dtensor_to_sharded_tensor(key, dtensor, outer_replica_id=replica_id)
 
 
-def model_sharded_state_dict(state_dict: dict[str, Any], replica_id: int) -> dict[str, Any]:
+def model_sharded_state_dict(
+    state_dict: dict[str, Any], replica_id: int, replica_ids: dict[str, int] | None = None
+) -> dict[str, Any]:
     """Each tensor of a module's `state_dict()` as a ShardedTensor under its own key.
 
     Plain tensors are replicated (`replica_id`: this rank's index among the replicas); DTensors are sharded.
-    Keys whose local shard is empty are left out.
+    `replica_ids` overrides `replica_id` for some keys (experts split over ranks: their expert-data-parallel
+    rank). Keys whose local shard is empty are left out.
     """
     sharded = {}
     for key, value in state_dict.items():
+        key_replica_id = (replica_ids or {}).get(key, replica_id)
         if isinstance(value, DTensor):
-            value = dtensor_sharded_tensor(key, value, replica_id)
+            value = dtensor_sharded_tensor(key, value, key_replica_id)
             if value is None:
                 continue
         elif isinstance(value, torch.Tensor):
-            value = ShardedTensor.from_rank_offsets(key, value.detach(), replica_id=replica_id)
+            value = ShardedTensor.from_rank_offsets(key, value.detach(), replica_id=key_replica_id)
         sharded[key] = value
     return sharded
 

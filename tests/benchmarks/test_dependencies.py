@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-SCRIPTS = ["ckpt_bench.py", "data_bench.py", "step_bench.py", "tp_bench.py", "checksum_bench.py"]
+SCRIPTS = ["ckpt_bench.py", "data_bench.py", "step_bench.py", "tp_bench.py", "checksum_bench.py", "moe_bench.py"]
+SCRIPTS += ["disk_ceiling.py", "train_ckpt_bench.py"]
+SCRIPTS += ["cp_bench.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -25,9 +27,11 @@ def test_missing_dependency_exits_naming_the_install_command(monkeypatch, capsys
     monkeypatch.setattr(sys, "argv", ["ckpt_bench.py"])
     import results
 
-    with pytest.raises(SystemExit, match=r"ckpt_bench.py needs not_a_module_xyz: pip install .*'\.\[test\]'"):
+    with pytest.raises(SystemExit, match=r"ckpt_bench.py needs not_a_module_xyz: pip install .*'\.\[bench\]'"):
         results.check_dependencies(["not_a_module_xyz"])
-    results.check_dependencies([], {"not_a_peer_xyz": "pip install not-a-peer"})
+    with pytest.raises(SystemExit, match=r"ckpt_bench.py needs the program\(s\) not_a_program_xyz on PATH"):
+        results.check_dependencies([], programs=["not_a_program_xyz"])
+    results.check_dependencies([], {"not_a_peer_xyz": "pip install not-a-peer"}, programs=["dd"])
     assert "not_a_peer_xyz is not importable, so it is left out of the comparison (pip install not-a-peer)" in (
         capsys.readouterr().out
     )

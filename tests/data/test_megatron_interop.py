@@ -1,15 +1,15 @@
 """Indexed datasets and GPT samples identical to megatron-core's, both directions.
 
-Optional: skipped unless megatron-core is importable, e.g.
-``pip install --target /tmp/mcore-site --no-deps --ignore-requires-python megatron-core==0.19.2 psutil triton``
-then ``PYTHONPATH=/tmp/mcore-site python -m pytest tests/data/test_megatron_interop.py``.
+Runs against megatron-core 0.19.2 as `tests/install_megatron_core.sh` installs it (as CI does); skipped without it.
 """
 
 import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("megatron.core.datasets.gpt_dataset")
+from tests.helpers.megatron import importorskip_megatron_core
+
+importorskip_megatron_core("megatron.core.datasets.gpt_dataset")
 
 from megatron.core.datasets import indexed_dataset as megatron_indexed  # noqa: E402
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402

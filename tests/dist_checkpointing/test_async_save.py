@@ -1,6 +1,8 @@
 """Async save: staged on CPU at the call, written in the background, completed (metadata.json) at finalize;
-a background failure on any rank raises on every rank at finalize."""
+a background failure on any rank raises on every rank at finalize; the writer runs at a lower priority."""
 
+import os
+import sys
 import threading
 from pathlib import Path
 
@@ -9,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_ckpt import dist_checkpointing as dc
-from nemo_ckpt.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+from nemo_ckpt.dist_checkpointing.strategies.async_utils import WRITER_NICE, AsyncCallsQueue, AsyncRequest
 from nemo_ckpt.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from tests.helpers.distributed import run_distributed
 
@@ -96,3 +98,39 @@ def test_frozen_request_takes_no_more_finalize_fns():
     request = AsyncRequest(None, (), []).freeze()
     with pytest.raises(RuntimeError, match="frozen"):
         request.add_finalize_fn(lambda: None)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads have their own nice value on Linux only")
+def test_background_writer_and_the_threads_it_starts_run_at_lower_priority_than_training():
+    def priority() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen = {}
+
+    def write() -> None:
+        seen["writer"] = priority()
+        file_writer = threading.Thread(target=lambda: seen.__setitem__("file writer", priority()))
+        file_writer.start()
+        file_writer.join()
+
+    training = priority()
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(AsyncRequest(write, (), []))
+    queue.close()
+    assert seen == {"writer": min(19, training + WRITER_NICE), "file writer": min(19, training + WRITER_NICE)}
+    assert priority() == training, "the training thread keeps its priority"
+
+
+def test_async_save_writes_the_common_state_in_the_background_with_the_values_of_the_call(tmp_path):
+    queue = AsyncCallsQueue()
+    gate = threading.Event()
+    queue.schedule_async_request(AsyncRequest(gate.wait, (), []))  # the writer is busy with an earlier save
+    step = torch.tensor(5)
+    request = dc.save({**state(0, 1), "step": step}, tmp_path, TorchDistSaveShardedStrategy(), async_sharded_save=True)
+    step.add_(1)  # training goes on
+    queue.schedule_async_request(request)
+    assert not (tmp_path / "common.pt").exists(), "the training thread neither writes nor fsyncs common.pt"
+    gate.set()
+    queue.close()
+    assert dc.load_common_state_dict(tmp_path)["step"] == 5
+    assert dc.load(state(0, 1, template=True), tmp_path)["step"] == 5

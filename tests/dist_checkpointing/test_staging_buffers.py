@@ -1,6 +1,7 @@
-"""Staging buffers kept between saves (``reuse_staging_buffers``, on with ``assume_constant_structure``):
+"""Staging buffers kept between saves (`reuse_staging_buffers`, on with `assume_constant_structure`):
 the next save copies into the same memory, a save staged while an earlier one still writes gets new
-memory, and every checkpoint holds the values of its own save call."""
+memory, and every checkpoint holds the values of its own save call (GPU shards: staged into pinned memory
+on a side stream, loaded straight into GPU tensors)."""
 
 import gc
 import io
@@ -14,7 +15,11 @@ import torch
 from nemo_ckpt import dist_checkpointing as dc
 from nemo_ckpt.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from nemo_ckpt.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync, StagingBuffers
-from nemo_ckpt.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy, build_write_items
+from nemo_ckpt.dist_checkpointing.strategies.torch import (
+    TorchDistLoadShardedStrategy,
+    TorchDistSaveShardedStrategy,
+    build_write_items,
+)
 from tests.helpers.distributed import run_distributed
 
 
@@ -120,3 +125,30 @@ def test_async_saves_reuse_buffers_and_keep_the_values_of_their_call(tmp_path, w
     for rank, result in enumerate(run_distributed(_saves_reuse_and_overlap, world_size, str(tmp_path))):
         assert result["reused"]
         assert result["values"] == {step: [[float(step + i + 100 * rank)] for i in range(3)] for step in (1, 2, 3, 4)}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_shards_are_staged_in_pinned_memory_without_blocking_and_keep_the_values_of_the_call(tmp_path):
+    strategy = TorchDistSaveShardedStrategy(cached_metadata=True, reuse_staging_buffers=True)
+    queue = AsyncCallsQueue()
+    live = torch.arange(1 << 20, dtype=torch.float32, device="cuda").view(1024, 1024)
+    expected = live.cpu()
+    for step in (1, 2):
+        (tmp_path / f"step{step}").mkdir()
+        request = dc.save(
+            {"w": dc.ShardedTensor.from_rank_offsets("w", live)},
+            tmp_path / f"step{step}",
+            strategy,
+            async_sharded_save=True,
+        )
+        live.mul_(2)  # queued after the copy on the current stream: the checkpoint keeps the values of the call
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+        assert all(buffer.is_pinned() for buffer in strategy._staging._buffers.values())
+        loaded = dc.load(
+            {"w": dc.ShardedTensor.from_rank_offsets("w", torch.zeros(1024, 1024, device="cuda"))},
+            tmp_path / f"step{step}",
+            TorchDistLoadShardedStrategy(load_directly_on_device=True),
+        )
+        assert loaded["w"].is_cuda and torch.equal(loaded["w"].cpu(), expected * 2 ** (step - 1))
+    queue.close()

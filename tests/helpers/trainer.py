@@ -17,13 +17,19 @@ GLOBAL_BATCH_SIZE = 4
 
 
 class RecordLoss(pl.Callback):
-    """The data-parallel mean loss of every step."""
+    """The data-parallel mean loss of every step (not of each gradient-accumulation micro-batch)."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.step = 0
+
+    def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.step = trainer.global_step
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.losses.append(float(trainer.callback_metrics["reduced_train_loss"]))
+        if trainer.global_step > self.step:
+            self.step = trainer.global_step
+            self.losses.append(float(trainer.callback_metrics["reduced_train_loss"]))
 
 
 class SaveAtStart(pl.Callback):
@@ -60,9 +66,10 @@ def fit_tiny_gpt(
     ckpt_path: Path | None = None,
     precision: str = "32-true",
     model_overrides: dict[str, Any] | None = None,
+    micro_batch_size: int | None = None,
 ) -> pl.Trainer:
-    """Train the tiny GPT with `strategy` (global batch 4, one micro-batch per data-parallel rank) towards
-    `max_steps` on a plain Trainer, resuming from `ckpt_path`."""
+    """Train the tiny GPT with `strategy` (global batch 4, one micro-batch per data-parallel rank unless
+    `micro_batch_size` is given) towards `max_steps` on a plain Trainer, resuming from `ckpt_path`."""
     pl.seed_everything(1234, verbose=False)
     config = gpt_config("tiny", **(model_overrides or {}))
     trainer = pl.Trainer(
@@ -81,11 +88,13 @@ def fit_tiny_gpt(
         callbacks=callbacks,
     )
     model = GPTModel(config, OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_steps=2))
-    data_parallel_size = world_size // strategy.tensor_model_parallel_size
+    model_parallel_size = strategy.tensor_model_parallel_size * strategy.pipeline_config.pipeline_model_parallel_size
+    model_parallel_size *= strategy.context_parallel_size  # cp ranks read the same batch
+    data_parallel_size = world_size // model_parallel_size
     data = MockDataModule(
         seq_length=config.seq_length,
         vocab_size=config.vocab_size,
-        micro_batch_size=GLOBAL_BATCH_SIZE // data_parallel_size,
+        micro_batch_size=micro_batch_size or GLOBAL_BATCH_SIZE // data_parallel_size,
         global_batch_size=GLOBAL_BATCH_SIZE,
     )
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
@@ -104,6 +113,7 @@ def fit(
     save_at_start: Path | None = None,
     model_overrides: dict[str, Any] | None = None,
     callbacks: list[pl.Callback] | None = None,
+    micro_batch_size: int | None = None,
     **strategy_kwargs: Any,
 ) -> list[float]:
     """Train towards `max_steps` (global batch 4, split over the ranks), resuming from `ckpt_path`, stopping
@@ -114,7 +124,7 @@ def fit(
     callbacks = [recorder, StopAndSave(stop_at, save_to), *(callbacks or [])]
     if save_at_start is not None:
         callbacks.append(SaveAtStart(save_at_start))
-    fit_tiny_gpt(world_size, strategy, max_steps, callbacks, ckpt_path, precision, model_overrides)
+    fit_tiny_gpt(world_size, strategy, max_steps, callbacks, ckpt_path, precision, model_overrides, micro_batch_size)
     return recorder.losses
 
 

@@ -11,11 +11,15 @@ from nemo_run.cli.api import RunContext
 
 from launch.slurm import check_submittable, sbatch_options, slurm_executor
 
+QUIET = {"LOGLEVEL": "WARNING", "OMP_NUM_THREADS": "1"}  # launcher_env() where the shell sets neither
+
 
 @pytest.fixture(autouse=True)
 def readable_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
-    """NeMo-Run shells out through `invoke`, which reads stdin; pytest's stdin raises."""
+    """NeMo-Run shells out through `invoke`, which reads stdin; pytest's stdin raises. torchrun's env vars unset."""
     monkeypatch.setattr(sys, "stdin", io.StringIO())
+    monkeypatch.delenv("LOGLEVEL", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
 
 
 def sbatch_script(executor: run.SlurmExecutor, base_dir: Path, name: str = "job") -> str:
@@ -67,7 +71,11 @@ def test_multi_node_gpu_container_job(tmp_path: Path) -> None:
         "#SBATCH --signal=USR1@90",
         "#SBATCH --time=04:00:00",
     ]
-    assert "export NCCL_DEBUG=WARN\nexport DATA=/data\n" in script
+    assert (
+        "export LOGLEVEL=WARNING\nexport OMP_NUM_THREADS=1\n"
+        "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1\nexport TORCH_ELASTIC_SHUTDOWN_TIMEOUT=90\n"
+        "export NCCL_DEBUG=WARN\nexport DATA=/data\n"
+    ) in script
     srun = srun_line(script)
     assert (
         "--container-image nvcr.io/nvidia/pytorch:24.05-py3 "
@@ -76,6 +84,7 @@ def test_multi_node_gpu_container_job(tmp_path: Path) -> None:
     ) in srun
     assert "torchrun --rdzv-backend c10d --rdzv-endpoint $head_node_ip:29500" in srun
     assert "--nnodes 2 --nproc-per-node 4 --node-rank $SLURM_NODEID" in srun
+    assert "--kill-on-bad-exit=1 --label torchrun" in srun, "a failed rank ends the step; log lines name their node"
     assert srun.endswith("--no-python /nemo_run/scripts/job.sh")
 
 
@@ -100,6 +109,7 @@ def test_single_node_cpu_job_without_account_or_container(tmp_path: Path) -> Non
     srun = srun_line(script)
     assert f"--chdir {job_dir}/code" in srun and "--container-image" not in srun
     assert "--rdzv-endpoint localhost:0" in srun and "--nnodes 1 --nproc-per-node 2 --node-rank 0" in srun
+    assert "--label" not in srun
     assert srun.endswith(f"--no-python {job_dir}/scripts/job.sh")
 
 
@@ -128,11 +138,19 @@ def test_signal_makes_torchrun_forward_it_and_wait_its_lead_time(tmp_path: Path)
     assert "#SBATCH --signal=USR1@90" in sbatch_lines(script)
     assert "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1\n" in script
     assert "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120\n" in script, "the user's env vars win"
-    assert slurm_executor(signal="TERM").env_vars == {
+    assert slurm_executor(signal="TERM").env_vars == QUIET | {
         "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "60",
     }
-    assert slurm_executor().env_vars == {}
+    assert slurm_executor().env_vars == QUIET
+
+
+def test_torchrun_is_quiet_like_the_local_executor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's agent logs at WARNING unless the shell asks for more; the user's env vars win."""
+    assert slurm_executor().env_vars == QUIET
+    assert slurm_executor(env_vars={"OMP_NUM_THREADS": "4"}).env_vars == {"LOGLEVEL": "WARNING", "OMP_NUM_THREADS": "4"}
+    monkeypatch.setenv("LOGLEVEL", "INFO")
+    assert slurm_executor().env_vars["LOGLEVEL"] == "INFO"
 
 
 def test_ssh_tunnel_from_host_user_job_dir() -> None:
@@ -231,7 +249,8 @@ def test_cli_factory_builds_validated_executor() -> None:
         8,
         8,
         "USR1@60",
-        {
+        QUIET
+        | {
             "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
             "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "60",
             "NCCL_DEBUG": "INFO",

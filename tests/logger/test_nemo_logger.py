@@ -130,6 +130,8 @@ def test_plain_lines_and_log_interval(tmp_path):
         ({"version": ""}, "version"),
         ({"tensorboard": "yes"}, "tensorboard"),
         ({"peak_tflops_per_device": 0}, "peak_tflops_per_device"),
+        ({"tensorbord": False}, "unknown option `tensorbord`; did you mean `tensorboard`"),
+        ({"files_to_copy": ["a.yaml"]}, r"not supported: files_to_copy \(NeMo meaning: files copied"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, message):

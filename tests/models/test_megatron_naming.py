@@ -1,7 +1,8 @@
 """Megatron-Core GPT naming <-> ours: bit-exact round trips and the documented fused layouts.
 
-megatron-core is not installed here, so the fused tensors are checked against its documented layout (the
-`linear_qkv` split of `SelfAttention.get_query_key_value_tensors`, SwiGLU's `chunk(2)` of `linear_fc1`)."""
+The fused tensors are checked against megatron-core's documented layout (the `linear_qkv` split of
+`SelfAttention.get_query_key_value_tensors`, SwiGLU's `chunk(2)` of `linear_fc1`); with megatron-core importable,
+`test_megatron_core_gpt.py` runs its GPTModel on our exported state."""
 
 import pytest
 import torch

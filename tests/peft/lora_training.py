@@ -18,13 +18,34 @@ GLOBAL_BATCH_SIZE = 4
 def train_lora(rank: int, world_size: int, sharding: str, max_steps: int, base: str) -> list[float]:
     """Per-step losses of LoRA(dim=4) on every linear layer of the tiny GPT restored from the checkpoint `base`,
     data parallel under `sharding`."""
+    return fit_lora(world_size, sharding, max_steps, base)[0]
+
+
+def train_lora_tensor_parallel(rank: int, world_size: int, max_steps: int, base: str) -> tuple[list[float], dict]:
+    """`train_lora` with tensor_model_parallel_size=world_size; also each adapter's placement and local shape."""
+    losses, model = fit_lora(world_size, "no_shard", max_steps, base, tensor_parallel=world_size)
+    placements = {
+        name.removeprefix("module."): (repr(param.placements[0]), tuple(param.to_local().shape))
+        for name, param in model.named_parameters()
+        if param.requires_grad
+    }
+    return losses, placements
+
+
+def fit_lora(
+    world_size: int, sharding: str, max_steps: int, base: str, tensor_parallel: int = 1
+) -> tuple[list[float], GPTModel]:
+    """Train LoRA on a plain Trainer; returns the per-step losses and the trained model."""
     pl.seed_everything(1234, verbose=False)
     config = gpt_config("tiny")
     recorder = RecordLoss()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world_size,
-        strategy=MegatronStrategy(ddp=DistributedDataParallelConfig(data_parallel_sharding_strategy=sharding)),
+        strategy=MegatronStrategy(
+            tensor_model_parallel_size=tensor_parallel,
+            ddp=DistributedDataParallelConfig(data_parallel_sharding_strategy=sharding),
+        ),
         max_steps=max_steps,
         logger=False,
         enable_checkpointing=False,
@@ -39,8 +60,8 @@ def train_lora(rank: int, world_size: int, sharding: str, max_steps: int, base: 
     data = MockDataModule(
         seq_length=config.seq_length,
         vocab_size=config.vocab_size,
-        micro_batch_size=GLOBAL_BATCH_SIZE // world_size,
+        micro_batch_size=GLOBAL_BATCH_SIZE * tensor_parallel // world_size,
         global_batch_size=GLOBAL_BATCH_SIZE,
     )
     trainer.fit(model, datamodule=data)
-    return recorder.losses
+    return recorder.losses, model

@@ -1,4 +1,6 @@
-"""LoRA: adapters only train, merged weights reproduce base + adapters, small adapter checkpoints, FSDP2."""
+"""LoRA: adapters only train, merged weights reproduce base + adapters, small adapter checkpoints, FSDP2, TP."""
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from nemo_ckpt.dist_checkpointing import ShardedTensor
 from nemo_ckpt.models import GPT, GPTModel, gpt_config
 from nemo_ckpt.peft import LoRA, LoRALinear
 from tests.helpers.distributed import run_distributed
-from tests.peft.lora_training import train_lora
+from tests.peft.lora_training import train_lora, train_lora_tensor_parallel
 
 
 def lora_gpt(**lora) -> GPT:
@@ -64,13 +66,18 @@ def test_adapter_checkpoint_of_the_small_model_is_under_5_percent():
     assert adapter_bytes < 0.05 * full_bytes
 
 
-def test_lora_under_fsdp2_on_two_ranks_matches_one_process(tmp_path):
+def _save_base(path: Path) -> GPTModel:
     torch.manual_seed(7)
     base = GPTModel(gpt_config("tiny"))
     base.configure_model()
-    weights_dir(tmp_path).mkdir()
+    weights_dir(path).mkdir()
     state = {key: ShardedTensor.from_rank_offsets(key, value, replica_id=0) for key, value in base.state_dict().items()}
-    dist_checkpointing.save({"state_dict": state}, weights_dir(tmp_path))
+    dist_checkpointing.save({"state_dict": state}, weights_dir(path))
+    return base
+
+
+def test_lora_under_fsdp2_on_two_ranks_matches_one_process(tmp_path):
+    base = _save_base(tmp_path)
     steps = 5
     single = train_lora(0, 1, "no_shard", steps, str(tmp_path))  # in this process: one device needs no spawning
     sharded = run_distributed(train_lora, 2, "optim_grads_params", steps, str(tmp_path))
@@ -84,8 +91,22 @@ def test_lora_under_fsdp2_on_two_ranks_matches_one_process(tmp_path):
     assert single[-1] < single[0]
 
 
+def test_lora_under_tensor_parallel_two_matches_one_process(tmp_path):
+    _save_base(tmp_path)
+    steps = 4
+    single = train_lora(0, 1, "no_shard", steps, str(tmp_path))
+    per_rank = run_distributed(train_lora_tensor_parallel, 2, steps, str(tmp_path))
+    for losses, placements in per_rank:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(single), atol=1e-5, rtol=0)
+        # Megatron-Core's sharding: column-parallel base -> A replicated, B split on its rows (the base's outputs);
+        # row-parallel base -> A split on its columns (the base's inputs), B replicated
+        assert placements["layers.0.self_attention.q_proj.lora_a"] == ("Replicate()", (4, 64))
+        assert placements["layers.0.self_attention.q_proj.lora_b"] == ("Shard(dim=0)", (32, 4))
+        assert placements["layers.0.mlp.down_proj.lora_a"] == ("Shard(dim=1)", (4, 86))
+        assert placements["layers.0.mlp.down_proj.lora_b"] == ("Replicate()", (64, 4))
+    assert single[-1] < single[0]
+
+
 def test_bad_lora_options():
     with pytest.raises(ValueError, match=r"LoRA\(dim=0\)"):
         LoRA(dim=0)
-    with pytest.raises(ValueError, match="does not support tensor parallelism"):
-        GPTModel(gpt_config("tiny"), peft=LoRA()).parallelize_tensor(None, False)

@@ -2,7 +2,6 @@
 falls on an SFT set, LoRA adapter checkpoints resume bit-identically, merge and export."""
 
 import json
-import random
 from pathlib import Path
 
 import fiddle as fdl
@@ -13,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from nemo_ckpt import dist_checkpointing  # noqa: E402
-from nemo_ckpt.api import export_ckpt, import_ckpt  # noqa: E402
+from nemo_ckpt.api import export_ckpt  # noqa: E402
 from nemo_ckpt.checkpoint.context import load_model  # noqa: E402
 from nemo_ckpt.checkpoint.layout import weights_dir  # noqa: E402
 from nemo_ckpt.checkpoint.manifest import Manifest  # noqa: E402
@@ -24,6 +23,7 @@ from nemo_ckpt.models import GPTConfig, GPTModel  # noqa: E402
 from nemo_ckpt.peft import LoRA  # noqa: E402
 from nemo_ckpt.peft.merge import merge  # noqa: E402
 from recipes.finetune import finetune_recipe  # noqa: E402
+from tests.checkpoint.finetune_run import imported_model_and_sft_set  # noqa: E402
 from tests.helpers.trainer import RecordLoss, StopAndSave  # noqa: E402
 
 SEQ_LENGTH = 16
@@ -32,26 +32,7 @@ SEQ_LENGTH = 16
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory) -> tuple[Path, Path]:
     """A tiny random HF Llama imported as our checkpoint, and an SFT set of echo tasks."""
-    root = tmp_path_factory.mktemp("finetune")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=260,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(root / "hf")
-    base = import_ckpt(f"hf://{root / 'hf'}", str(root / "base"))
-    rng = random.Random(0)
-    (root / "sft").mkdir()
-    with open(root / "sft" / "training.jsonl", "w") as file:
-        for _ in range(16):
-            word = "".join(rng.choice("abcd") for _ in range(4))
-            file.write(json.dumps({"input": f"echo {word}", "output": word}) + "\n")
-    return base, root / "sft"
+    return imported_model_and_sft_set(tmp_path_factory.mktemp("finetune"))
 
 
 def run_finetune(

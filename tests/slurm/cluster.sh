@@ -4,10 +4,16 @@
 #   cluster.sh install      apt-get Slurm 22.05, slurmdbd, MariaDB and munge if missing (needs root); fails
 #                           within REGISTRY_TIMEOUT seconds when the package registry does not answer
 #                           (SLURM_FORCE_INSTALL=1: install even if Slurm is there)
-#   cluster.sh start DIR    install, then run munged, mariadbd, slurmdbd, slurmctld and slurmd
-#                           with all config/state/logs/pids in DIR; waits until the node is
+#   cluster.sh start DIR [NODES]
+#                           install, then run munged, mariadbd, slurmdbd, slurmctld and slurmd
+#                           with all config/state/logs/pids in DIR; waits until the nodes are
 #                           idle and prints `export SLURM_CONF=DIR/slurm.conf` on stdout
 #   cluster.sh stop DIR     stop the daemons started from DIR, by PID
+#
+# NODES=1 (default): one node `localhost` on 127.0.0.1. NODES>1 (needs root): nodes node0 .. node<N-1>,
+# each a slurmd in its own network namespace with its own address and hostname (netns.sh: bridge
+# 10.231.X.1 for slurmctld and the clients, node I at 10.231.X.(I+2)); Debian's Slurm is built without
+# multiple-slurmd (two slurmds on one address), so each node gets a network of its own, like a real one.
 #
 # Client commands (sbatch, srun, squeue, scontrol, sacct) find the cluster through SLURM_CONF;
 # eval the line `start` prints. No systemd. Accounting is on and enforced: root's jobs run
@@ -20,6 +26,7 @@ export PATH="$PATH:/usr/sbin:/sbin"
 PACKAGES=(slurmctld slurmd slurm-client slurmdbd mariadb-server munge)
 START_TIMEOUT=${SLURM_START_TIMEOUT:-60}
 REGISTRY_TIMEOUT=${SLURM_REGISTRY_TIMEOUT:-45}
+NETNS_SH=$(dirname "$(realpath "${BASH_SOURCE[0]}")")/netns.sh
 
 die() { echo "cluster.sh: $*" >&2; exit 1; }
 
@@ -57,14 +64,26 @@ free_ports() {
 pid_alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
 write_conf() {
-    local dir=$1 port=$2 host cpus mem_mb
+    local dir=$1 port=$2 nodes=$3 host cpus mem_mb ctld_addr node_lines partition_nodes x i
     host=$(hostname -s)
     cpus=$(nproc)
     mem_mb=$(awk '/^MemTotal:/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)
+    if [[ $nodes -eq 1 ]]; then
+        ctld_addr=127.0.0.1
+        node_lines="NodeName=localhost NodeHostname=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN"
+        partition_nodes=localhost
+    else
+        x=$(cat "$dir/net")
+        ctld_addr=10.231.$x.1
+        node_lines=$(for i in $(seq 0 $((nodes - 1))); do
+            echo "NodeName=node$i NodeHostname=node$i NodeAddr=10.231.$x.$((i + 2)) CPUs=$cpus RealMemory=$((mem_mb / nodes)) State=UNKNOWN"
+        done)
+        partition_nodes=node[0-$((nodes - 1))]
+    fi
     cat >"$dir/slurm.conf" <<EOF
 # Written by tests/slurm/cluster.sh
 ClusterName=nemockpt
-SlurmctldHost=$host(127.0.0.1)
+SlurmctldHost=$host($ctld_addr)
 SlurmctldPort=$port
 SlurmdPort=$((port + 1))
 SlurmUser=root
@@ -75,9 +94,9 @@ AuthInfo=socket=$dir/munge/munge.socket,cred_expire=5
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool/slurmd.%n
 SlurmctldPidFile=$dir/slurmctld.pid
-SlurmdPidFile=$dir/slurmd.pid
+SlurmdPidFile=$dir/slurmd.%n.pid
 SlurmctldLogFile=$dir/log/slurmctld.log
-SlurmdLogFile=$dir/log/slurmd.log
+SlurmdLogFile=$dir/log/slurmd.%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
@@ -100,8 +119,8 @@ ReturnToService=2
 EnforcePartLimits=ALL
 MinJobAge=600
 KillWait=10
-NodeName=localhost NodeHostname=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=04:00:00 State=UP
+$node_lines
+PartitionName=debug Nodes=$partition_nodes Default=YES MaxTime=04:00:00 State=UP
 EOF
     cat >"$dir/slurmdbd.conf" <<EOF
 # Written by tests/slurm/cluster.sh
@@ -177,42 +196,66 @@ start_slurmdbd() {
     [[ $(sacctmgr --noheader --parsable2 show user root format=defaultaccount 2>/dev/null) == nemo_ckpt ]] || die "slurmdbd accounts not set up: $(tail -n 20 "$dir/log/slurmdbd.log")"
 }
 
+node_names() {
+    local nodes=$1
+    if [[ $nodes -eq 1 ]]; then echo localhost; else seq -f "node%g" 0 $((nodes - 1)); fi
+}
+
 wait_idle() {
-    local dir=$1 state=""
+    local dir=$1 nodes=$2 state="" log
     for _ in $(seq "$START_TIMEOUT"); do
-        state=$(sinfo --noheader --nodes=localhost --format=%t 2>/dev/null || true)
-        [[ $state == idle ]] && return 0
+        state=$(sinfo --noheader --Node --format=%t 2>/dev/null | sort -u | tr '\n' ' ' || true)
+        [[ $state == "idle " && $(sinfo --noheader --Node --format=%N | wc -l) -eq $nodes ]] && return 0
         sleep 1
     done
-    echo "cluster.sh: node not idle after ${START_TIMEOUT}s (state: '${state}')" >&2
-    for log in slurmctld slurmd slurmdbd mariadb munged; do
+    echo "cluster.sh: nodes not idle after ${START_TIMEOUT}s (states: '${state}')" >&2
+    for log in slurmctld $(node_names "$nodes" | sed 's/^/slurmd./') slurmdbd mariadb munged; do
         echo "--- $dir/log/$log.log (tail)" >&2
         tail -n 20 "$dir/log/$log.log" >&2 2>/dev/null || true
     done
     exit 1
 }
 
+slurmds_alive() {
+    local dir=$1 nodes=$2 node
+    for node in $(node_names "$nodes"); do pid_alive "$dir/slurmd.$node.pid" || return 1; done
+}
+
+start_slurmd() {
+    local dir=$1 nodes=$2 i
+    if [[ $nodes -eq 1 ]]; then
+        slurmd -N localhost -f "$SLURM_CONF" </dev/null >>"$dir/log/slurmd.localhost.log" 2>&1 \
+            || die "slurmd failed: $(tail -n 20 "$dir/log/slurmd.localhost.log")"
+        return 0
+    fi
+    for i in $(seq 0 $((nodes - 1))); do
+        bash "$NETNS_SH" exec "$dir" "$i" slurmd -N "node$i" -f "$SLURM_CONF" </dev/null \
+            >>"$dir/log/slurmd.node$i.log" 2>&1 || die "slurmd node$i failed: $(tail -n 20 "$dir/log/slurmd.node$i.log")"
+    done
+}
+
 start() {
-    local dir port
+    local dir port nodes=$2
     dir=$(realpath -m "$1")
+    [[ $nodes =~ ^[1-9][0-9]?$ ]] || die "NODES must be 1 to 99, got '$nodes'"
     install_slurm
     mkdir -p "$dir"/{state,spool,log}
     export SLURM_CONF=$dir/slurm.conf SLURM_DBD_CONF=$dir/slurmdbd.conf
-    if ! pid_alive "$dir/slurmctld.pid" || ! pid_alive "$dir/slurmd.pid"; then
+    if ! pid_alive "$dir/slurmctld.pid" || ! slurmds_alive "$dir" "$nodes"; then
         stop "$dir" >/dev/null
         [[ -s $dir/mysql.pass ]] || (umask 077 && head -c 18 /dev/urandom | base64 | tr -d '/+=' >"$dir/mysql.pass")
         port=$(free_ports)
-        write_conf "$dir" "$port"
+        [[ $nodes -eq 1 ]] || bash "$NETNS_SH" up "$dir" "$nodes" >/dev/null
+        write_conf "$dir" "$port" "$nodes"
         start_munge "$dir"
         start_mariadb "$dir" $((port + 3))
         start_slurmdbd "$dir"
         # -i: ignore job/node state left in DIR by an earlier run.
         slurmctld -i -f "$SLURM_CONF" </dev/null >>"$dir/log/slurmctld.log" 2>&1 \
             || die "slurmctld failed: $(tail -n 20 "$dir/log/slurmctld.log")"
-        slurmd -N localhost -f "$SLURM_CONF" </dev/null >>"$dir/log/slurmd.log" 2>&1 \
-            || die "slurmd failed: $(tail -n 20 "$dir/log/slurmd.log")"
+        start_slurmd "$dir" "$nodes"
     fi
-    wait_idle "$dir"
+    wait_idle "$dir" "$nodes"
     echo "export SLURM_CONF=$SLURM_CONF"
 }
 
@@ -230,7 +273,7 @@ stop_pidfile() {
 }
 
 stop() {
-    local dir
+    local dir pidfile
     dir=$(realpath -m "$1")
     if pid_alive "$dir/slurmctld.pid"; then
         # Cancel leftover jobs so no job step outlives slurmd.
@@ -240,18 +283,21 @@ stop() {
             sleep 0.5
         done
     fi
-    stop_pidfile "$dir/slurmd.pid" &
+    for pidfile in "$dir"/slurmd.*.pid; do
+        [[ -e $pidfile ]] && stop_pidfile "$pidfile" &
+    done
     stop_pidfile "$dir/slurmctld.pid" &
     wait
     stop_pidfile "$dir/slurmdbd.pid"
     stop_pidfile "$dir/mysql/mariadbd.pid"
     stop_pidfile "$dir/munge/munged.pid"
+    bash "$NETNS_SH" down "$dir"
     echo "stopped Slurm in $dir"
 }
 
 case "${1:-}" in
     install) install_slurm ;;
-    start) [[ $# -eq 2 ]] || die "usage: cluster.sh start DIR"; start "$2" ;;
+    start) [[ $# -eq 2 || $# -eq 3 ]] || die "usage: cluster.sh start DIR [NODES]"; start "$2" "${3:-1}" ;;
     stop) [[ $# -eq 2 ]] || die "usage: cluster.sh stop DIR"; stop "$2" ;;
-    *) die "usage: cluster.sh install | start DIR | stop DIR" ;;
+    *) die "usage: cluster.sh install | start DIR [NODES] | stop DIR" ;;
 esac

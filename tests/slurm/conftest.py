@@ -1,4 +1,4 @@
-"""A real one-node Slurm cluster for the tests in this directory (see cluster.sh)."""
+"""Real Slurm clusters for the tests in this directory (see cluster.sh): one node, and two nodes."""
 
 import io
 import os
@@ -54,3 +54,27 @@ def nemorun_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(slurm_scheduler, "SLURM_JOB_DIRS", str(home / ".slurm_jobs"))
     monkeypatch.setenv("NEMORUN_HOME", str(home))
     return home
+
+
+@pytest.fixture(scope="session")
+def _two_node_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """Two compute nodes (node0, node1), each slurmd in its own network namespace (cluster.sh start DIR 2)."""
+    if os.geteuid() != 0:
+        pytest.skip("a two-node cluster on one machine needs root (network namespaces)")
+    install = cluster_sh("install", timeout=900)
+    if install.returncode != 0:
+        pytest.skip(f"Slurm is not installed and cannot be installed: {install.stderr.strip()[-300:]}")
+    cluster_dir = tmp_path_factory.mktemp("slurm2")
+    start = cluster_sh("start", str(cluster_dir), "2", timeout=180)
+    try:
+        assert start.returncode == 0, f"cluster.sh start failed:\n{start.stdout}\n{start.stderr}"
+        yield SlurmCluster(dir=cluster_dir, conf=cluster_dir / "slurm.conf")
+    finally:
+        cluster_sh("stop", str(cluster_dir), timeout=120)
+
+
+@pytest.fixture
+def two_node_cluster(_two_node_cluster: SlurmCluster, monkeypatch: pytest.MonkeyPatch) -> SlurmCluster:
+    """The two-node cluster, as `SLURM_CONF` for this test only (the one-node cluster may run beside it)."""
+    monkeypatch.setenv("SLURM_CONF", str(_two_node_cluster.conf))
+    return _two_node_cluster

@@ -28,8 +28,7 @@ def test_typo_is_refused_with_the_closest_option():
     ("options", "message"),
     [
         ({"ckpt_load_on_device": True}, r"not supported: ckpt_load_on_device \(NeMo meaning: .*GPU"),
-        ({"pipeline_model_parallel_size": 2}, r"not supported: pipeline_model_parallel_size=2 \(NeMo meaning"),
-        ({"context_parallel_size": 2}, r"not supported: context_parallel_size=2"),
+        ({"pipeline_model_parallel_comm_backend": "nccl"}, r"not supported: pipeline_model_parallel_comm_backend"),
         ({"fsdp": "pytorch"}, r"not supported: fsdp .*optim_grads_params"),
         ({"ddp_comm_hook": print}, r"not supported: ddp_comm_hook"),
     ],
@@ -54,7 +53,17 @@ def test_cli_override_with_a_typo_fails_at_dryrun_naming_the_option(tmp_path):
     nemo = Path(sys.executable).parent / "nemo"
     args = [str(nemo), "nemo_ckpt", "pretrain", "--factory", "tiny", "--dryrun"]
     typo = subprocess.run(
-        [*args, "trainer.strategy.ckpt_async_sav=True"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        [*args, "trainer.strategy.ckpt_async_sav=True"], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert typo.returncode != 0
     assert "unknown option `ckpt_async_sav`; did you mean `ckpt_async_save`?" in typo.stdout + typo.stderr
+    executor_typo = subprocess.run(
+        [*args, "run.executor=local", "run.executor.ntasks_per_nod=2"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert executor_typo.returncode != 0
+    expected = "local_executor: unknown option `ntasks_per_nod`; did you mean `ntasks_per_node`?"
+    assert expected in executor_typo.stdout + executor_typo.stderr

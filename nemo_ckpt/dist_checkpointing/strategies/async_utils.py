@@ -8,11 +8,16 @@ A write that failed on any rank raises an `AsyncSaveFailure` on every rank at th
 next finalize; the failed request's finalize functions do not run. With a `timeout`, a write
 still running that many seconds after it was scheduled counts as failed (a stuck file system
 cannot block training forever); its thread is abandoned and later writes get a new one.
+The background writer runs at a lower CPU priority than training (`WRITER_NICE`, where the OS
+allows it), and so do the file writer threads it starts: they take the cores training leaves idle.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -25,6 +30,25 @@ import torch.distributed as dist
 
 from ..core import CheckpointingException
 from ..exchange_utils import collective_device
+
+log = logging.getLogger(__name__)
+
+WRITER_NICE = 10  # added to the background writer thread's nice value (Linux: per thread; 19 is the lowest)
+
+
+def lower_thread_priority(increment: int = WRITER_NICE) -> int | None:
+    """Raise the calling thread's nice value by `increment` (threads it starts inherit it); returns the new
+    value, or None where threads have no nice value of their own (not Linux) or the OS refuses."""
+    if not hasattr(os, "setpriority") or not sys.platform.startswith("linux"):
+        return None
+    thread = threading.get_native_id()
+    try:
+        nice = min(19, os.getpriority(os.PRIO_PROCESS, thread) + increment)
+        os.setpriority(os.PRIO_PROCESS, thread, nice)
+    except OSError as error:
+        log.debug("checkpoint writer keeps its priority: %s", error)
+        return None
+    return nice
 
 
 class AsyncRequest(NamedTuple):
@@ -90,7 +114,8 @@ class AsyncCaller:
     """One persistent background thread per process that runs `async_fn`s one after another.
 
     File writes release the GIL, so the thread writes while the training loop computes; one
-    thread for the whole run avoids a fork (and a copy of the process) per save.
+    thread for the whole run avoids a fork (and a copy of the process) per save. It runs at a lower
+    priority than training (`lower_thread_priority`).
     """
 
     def __init__(self) -> None:
@@ -99,6 +124,7 @@ class AsyncCaller:
         self._thread.start()
 
     def _loop(self) -> None:
+        lower_thread_priority()
         while (call := self._calls.get()) is not None:
             request = call.request
             try:

@@ -9,6 +9,7 @@ format by its name.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -103,6 +104,12 @@ class SaveCommonStrategy(SaveStrategyBase, ABC):
     @abstractmethod
     def save_common(self, common_state_dict: StateDict, checkpoint_dir: Path) -> None:
         """Save the common state dict."""
+
+    def save_common_async(self, common_state_dict: StateDict, checkpoint_dir: Path) -> Callable[[], None]:
+        """For an async save: do now what cannot wait (the state may change once the call returns) and return
+        the function that finishes the save in the background. By default all of it is done now."""
+        self.save_common(common_state_dict, checkpoint_dir)
+        return lambda: None
 
     def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
         """Save ShardedObjects (when the sharded strategy cannot)."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,15 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
     def save_common(self, common_state_dict: StateDict, checkpoint_dir: Path) -> None:
         if get_rank() == 0:
             write_durably(os.path.join(checkpoint_dir, COMMON_STATE_FNAME), lambda f: torch.save(common_state_dict, f))
+
+    def save_common_async(self, common_state_dict: StateDict, checkpoint_dir: Path) -> Callable[[], None]:
+        """Serialize now, in memory; write and fsync `common.pt` in the background (no disk wait in training)."""
+        if get_rank() != 0:
+            return lambda: None
+        serialized = io.BytesIO()
+        torch.save(common_state_dict, serialized)
+        path = os.path.join(checkpoint_dir, COMMON_STATE_FNAME)
+        return lambda: write_durably(path, lambda f: f.write(serialized.getbuffer()))
 
     def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
         for sh_obj in nested_values(sharded_objects_state_dict):

@@ -218,9 +218,10 @@ def read_box(fd: int, raw: RawTensor, offsets: tuple[int, ...], lengths: tuple[i
     if direct:
         _pread_into(fd, target, start)
         return
-    staging = torch.empty(span, dtype=raw.dtype)
+    # a GPU target (`ckpt_load_directly_on_device`) is filled from pinned memory without blocking the reader
+    staging = torch.empty(span, dtype=raw.dtype, pin_memory=target.is_cuda)
     _pread_into(fd, staging, start)
-    target.copy_(staging.as_strided(lengths, raw.stride))
+    target.copy_(staging.as_strided(lengths, raw.stride), non_blocking=target.is_cuda)
 
 
 def _read_file(path: Path, items: list[tuple[ReadItem, Any]], planner: LoadPlanner) -> list[ReadItem]:

@@ -2,8 +2,10 @@
 
 1. `prepare_write_data` (training side): stage this rank's shards as CPU tensors (a copy for async
    saves, so training may change the originals; with `StagingBuffers` into the memory of the
-   previous save) and split them into `thread_count` files.
-2. `write` (any thread): each file `__<rank>_<i>.distcp` by its own thread, fsynced; every item
+   previous save; GPU shards into pinned memory on a side stream, without blocking the host) and
+   split them into `thread_count` files.
+2. `write` (any thread): waits for the GPU copies, then writes each file `__<rank>_<i>.distcp` by
+   its own thread, fsynced; every item
    serialized as `torch.distributed.checkpoint.FileSystemWriter` does (a `torch.save` zip), with
    or without the zip's CRC-32s (`torch.load` never checks them; computing them is most of a
    save's CPU time). Each item's CRC32C is computed as it is written (see `integrity.py`).
@@ -75,9 +77,9 @@ class StagingBuffers:
 
     Copying into memory that is already mapped costs a fraction of copying into new memory (which is
     faulted in page by page). A save borrows the buffers from `stage` until its write is done; a
-    save staged while an earlier one still writes from them copies into new memory. On a CUDA host the
-    buffers are pinned and filled with non-blocking copies. They hold one copy of this rank's shards in
-    host memory between saves.
+    save staged while an earlier one still writes from them copies into new memory. For GPU shards the
+    buffers are pinned and filled with non-blocking copies on a side stream (`DeviceToHostCopies`). They hold
+    one copy of this rank's shards in host memory between saves.
     """
 
     def __init__(self) -> None:
@@ -122,9 +124,53 @@ def _copy_into(data: dict, buffers: dict[MetadataIndex, torch.Tensor], copy: boo
             staged[index] = buffer.copy_(value, non_blocking=value.is_cuda)
         else:
             staged[index] = value
-    if any(isinstance(value, torch.Tensor) and value.is_cuda for value in data.values()):
-        torch.cuda.synchronize()
     return staged
+
+
+class DeviceToHostCopies:
+    """Where shards live on a GPU: the copies made inside this context go on a side stream into pinned memory,
+    without blocking the host. The stream first waits for the work already queued (the shards' values are
+    final); the current stream then waits for the copies, so no later kernel (the next optimizer step) can change
+    a shard before it is copied, while the training thread goes on queuing work. `wait` (the writer, before
+    reading the copies) blocks until they are done. On CPU-only data it does nothing."""
+
+    _streams: dict[int, torch.cuda.Stream] = {}
+
+    def __init__(self, data: dict) -> None:
+        self.sources = [v for v in data.values() if isinstance(v, torch.Tensor) and v.is_cuda]
+        self.stream = self._side_stream() if self.sources else None
+        self.done: torch.cuda.Event | None = None
+        self._context = None
+
+    @classmethod
+    def _side_stream(cls) -> torch.cuda.Stream:
+        device = torch.cuda.current_device()
+        if device not in cls._streams:
+            cls._streams[device] = torch.cuda.Stream()
+        return cls._streams[device]
+
+    def __enter__(self) -> DeviceToHostCopies:
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+            self._context = torch.cuda.stream(self.stream)
+            self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.stream is None:
+            return
+        self._context.__exit__(*exc_info)
+        for source in self.sources:
+            source.record_stream(self.stream)  # its memory is not reused before the copy is done
+        self.done = torch.cuda.Event()
+        self.done.record(self.stream)
+        torch.cuda.current_stream().wait_event(self.done)
+        self.sources = []
+
+    def wait(self) -> None:
+        """Block until the copies are in host memory."""
+        if self.done is not None:
+            self.done.synchronize()
 
 
 def split_into_files(items: list[WriteItem], data: dict, bins: int) -> list[list[WriteItem]]:
@@ -159,6 +205,7 @@ class FileSystemWriterAsync:
         self.staging = staging
         self.checksums: FileRanges | None = {} if checksums else None
         self.release_staging: Callable[[], None] = lambda: None
+        self.copies = DeviceToHostCopies({})
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.items: list[WriteItem] = []
         self.buckets: list[list[WriteItem]] = []
@@ -169,16 +216,19 @@ class FileSystemWriterAsync:
         """Stage the data on CPU (`copy`: never the originals; into the kept buffers of `staging`, if
         any) and assign items to files."""
         self.items = items
-        if self.staging is None:
-            self.data = _copy_into(data, {}, copy)
-        else:
-            self.data, self.release_staging = self.staging.stage(data, copy)
+        with DeviceToHostCopies(data) as copies:
+            if self.staging is None:
+                self.data = _copy_into(data, {}, copy)
+            else:
+                self.data, self.release_staging = self.staging.stage(data, copy)
+        self.copies = copies
         self.buckets = split_into_files(items, self.data, self.thread_count)
 
     def write(self) -> None:
         """Write every file (one thread each) and keep the write results for `finish`."""
         names = [f"__{self.rank}_{i}.distcp" for i in range(len(self.buckets))]
         try:
+            self.copies.wait()
             if len(self.buckets) == 1:
                 self.results = self._write_file(names[0], self.buckets[0])
             else:

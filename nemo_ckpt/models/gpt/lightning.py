@@ -4,13 +4,26 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 
 from nemo_ckpt.checkpoint.context import IOMixin
-from nemo_ckpt.models.gpt.model import GPT, GPTConfig
+from nemo_ckpt.models.gpt.model import GPT, Attention, GPTConfig
+from nemo_ckpt.models.gpt.moe import expert_parallel_group, moe_metrics
 from nemo_ckpt.models.gpt.parallelize import parallelize_gpt
+from nemo_ckpt.models.gpt.pipeline import (
+    pack_targets,
+    parallelize_gpt_stage,
+    pipeline_loss,
+    split_gpt,
+    tied_output_copy,
+)
 from nemo_ckpt.optim import OptimizerConfig, clip_grad_norm
+from nemo_ckpt.parallel.context_parallel import ContextParallel, validate_sequence_length
+from nemo_ckpt.parallel.expert_parallel import clip_grad_norm_expert_parallel
+from nemo_ckpt.parallel.pipeline import clip_grad_norm_pipeline
 
 
 class GPTModel(IOMixin, pl.LightningModule):
@@ -26,6 +39,9 @@ class GPTModel(IOMixin, pl.LightningModule):
         self.optim = optim or OptimizerConfig()
         self.peft = peft
         self.module: GPT | None = None
+        self.pipeline_stages: list[tuple[int, GPT]] = []  # this rank's stages, when split by split_pipeline
+        self.pipeline_group: dist.ProcessGroup | None = None
+        self.loss_group: dist.ProcessGroup | None = None  # loss sums reduced over it (parallelize_context)
 
     def configure_model(self) -> None:
         if self.module is None:
@@ -41,29 +57,82 @@ class GPTModel(IOMixin, pl.LightningModule):
 
     def parallelize_tensor(self, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
         """Apply the GPT's tensor (and sequence) parallel plan over `tp_mesh` (`nemo_ckpt.models.gpt.parallelize`)."""
-        if self.peft is not None:
-            raise ValueError(
-                f"GPTModel(peft={type(self.peft).__name__}(...)) does not support tensor parallelism yet; use "
-                "tensor_model_parallel_size=1 with DDP or FSDP2"
-            )
         self.configure_model()
+        if self.pipeline_stages:
+            for _, stage in self.pipeline_stages:
+                parallelize_gpt_stage(stage, tp_mesh, sequence_parallel)
+            return
         parallelize_gpt(self.module, tp_mesh, sequence_parallel)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.module(tokens)
+    def split_pipeline(self, pipeline_mesh: DeviceMesh, virtual_size: int) -> list[tuple[int, GPT]]:
+        """Keep this pipeline rank's part of the GPT; return its stages (`nemo_ckpt.models.gpt.pipeline`)."""
+        if self.peft is not None:
+            raise ValueError(
+                f"GPTModel(peft={type(self.peft).__name__}(...)) does not support pipeline parallelism yet; use "
+                "pipeline_model_parallel_size=1"
+            )
+        self.configure_model()
+        rank, size = pipeline_mesh.get_local_rank(), pipeline_mesh.size()
+        self.pipeline_stages = split_gpt(self.module, rank, size, virtual_size)
+        self.pipeline_group = pipeline_mesh.get_group()
+        return self.pipeline_stages
+
+    def pipeline_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch as the pipeline's first-stage input and the last stage's loss target."""
+        return batch["tokens"], pack_targets(batch["labels"], batch.get("loss_mask"))
+
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The last pipeline stage's loss of one micro-batch."""
+        return pipeline_loss(logits, targets)
+
+    def pipeline_tied_weight(self) -> str | None:
+        """The embedding weight, which the output layer shares (`share_embeddings_and_output_weights`)."""
+        return "module.embedding.weight" if self.config.share_embeddings_and_output_weights else None
+
+    def parallelize_context(
+        self, cp_mesh: DeviceMesh, data_context_mesh: DeviceMesh, cp_comm_type: str, sequence_shards: int = 1
+    ) -> None:
+        """Split attention over the cp ranks of `cp_mesh` (`nemo_ckpt.parallel.context_parallel`) and reduce the
+        loss over them (over `data_context_mesh` with `calculate_per_token_loss`); batches arrive split."""
+        self.configure_model()
+        cp_size = cp_mesh.size()
+        if cp_size > 1:
+            validate_sequence_length(self.config.seq_length, cp_size, sequence_shards)
+            context_parallel = ContextParallel(cp_mesh.get_group(), cp_comm_type)
+            for module in self.module.modules():
+                if isinstance(module, Attention):
+                    module.context_parallel = context_parallel
+        if self.config.calculate_per_token_loss:
+            self.loss_group = data_context_mesh.get_group()
+        elif cp_size > 1:
+            self.loss_group = cp_mesh.get_group()
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.module(tokens, position_ids)
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = self(batch["tokens"])
-        if "loss_mask" not in batch:
+        """Mean cross entropy over the (masked) tokens of the micro-batch, whose sequence may be split over cp
+        ranks: then token sums and counts are summed over cp, so every cp rank returns the whole sequence's loss,
+        and the all-reduce's backward scales each rank's gradient by cp, which the gradient average over dp x cp
+        divides out again (Megatron's `loss * cp_size`). With `GPTConfig.calculate_per_token_loss`, the sums run
+        over dp x cp: loss summed over all tokens of the step divided by the global token count, once."""
+        logits = self(batch["tokens"], batch.get("position_ids"))
+        if self.loss_group is None and "loss_mask" not in batch:
             return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
         losses = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), reduction="none")
-        loss_mask = batch["loss_mask"].flatten().float()
-        return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+        loss_mask = batch["loss_mask"].flatten().float() if "loss_mask" in batch else torch.ones_like(losses)
+        if self.loss_group is None:
+            return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+        totals = torch.stack([(losses * loss_mask).sum(), loss_mask.sum()])
+        totals = differentiable_all_reduce(totals, group=self.loss_group)
+        return totals[0] / totals[1].clamp(min=1.0)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
         self.log("reduced_train_loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["tokens"].shape[0])
         self.log("lr", self.lr_schedulers().get_last_lr()[0], batch_size=batch["tokens"].shape[0])
+        for name, value in moe_metrics(self.module).items():  # aux losses, tokens per expert (MoE models)
+            self.log(name, value, sync_dist=True, batch_size=batch["tokens"].shape[0])
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -78,5 +147,13 @@ class GPTModel(IOMixin, pl.LightningModule):
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         if self.optim.clip_grad > 0:
-            grad_norm = clip_grad_norm(self.parameters(), self.optim.clip_grad)
+            ep_group = expert_parallel_group(self)
+            if self.pipeline_group is not None:  # each stage holds different layers: their norms add up
+                grad_norm = clip_grad_norm_pipeline(
+                    self.parameters(), self.optim.clip_grad, self.pipeline_group, tied_output_copy(self.module)
+                )
+            elif ep_group is None:
+                grad_norm = clip_grad_norm(self.parameters(), self.optim.clip_grad)
+            else:  # each rank holds different experts: their norms add up over the group
+                grad_norm = clip_grad_norm_expert_parallel(self.named_parameters(), self.optim.clip_grad, ep_group)
             self.log("grad_norm", grad_norm, batch_size=1)

@@ -1,12 +1,16 @@
 """A Llama-style decoder (RMSNorm, rotary attention, SwiGLU) in plain torch."""
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from nemo_ckpt.models.gpt.moe import MoELayer, moe_layer_pattern, validate_moe_config
+from nemo_ckpt.parallel.context_parallel import ContextParallel
 
 
 @dataclass
@@ -25,8 +29,25 @@ class GPTConfig:
     init_method_std: float = 0.02
     share_embeddings_and_output_weights: bool = False
     recompute_granularity: str | None = None
+    calculate_per_token_loss: bool = False  # loss summed over tokens / global token count (GPTModel.loss)
+    num_layers_in_first_pipeline_stage: int | None = None
+    num_layers_in_last_pipeline_stage: int | None = None
+    # mixture of experts (nemo_ckpt/models/gpt/moe.py); dense without num_moe_experts
+    num_moe_experts: int | None = None
+    moe_layer_freq: int | list[int] = 1
+    moe_ffn_hidden_size: int | None = None
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_expert_capacity_factor: float | None = None
+    moe_token_drop_policy: str = "probs"
+    moe_shared_expert_intermediate_size: int | None = None
 
     def __post_init__(self) -> None:
+        validate_moe_config(self)
         if self.recompute_granularity not in (None, "full"):
             raise ValueError(
                 f"GPTConfig.recompute_granularity={self.recompute_granularity!r}: use None or 'full' "
@@ -53,16 +74,35 @@ class GPTConfig:
         kv_dim = self.num_query_groups * self.head_dim
         attention = self.hidden_size * (self.hidden_size + 2 * kv_dim) + self.hidden_size**2
         mlp = 3 * self.hidden_size * self.ffn_hidden_size
-        layer = attention + mlp + 2 * self.hidden_size
+        moe_ffn = (self.moe_ffn_hidden_size or self.ffn_hidden_size) * (self.num_moe_experts or 0)
+        moe = 3 * self.hidden_size * (moe_ffn + (self.moe_shared_expert_intermediate_size or 0))
+        moe += (self.num_moe_experts or 0) * self.hidden_size
+        moe_layers = sum(moe_layer_pattern(self))
+        layer = attention + 2 * self.hidden_size
         embeddings = self.vocab_size * self.hidden_size
         output = 0 if self.share_embeddings_and_output_weights else embeddings
-        return self.num_layers * layer + embeddings + output + self.hidden_size
+        mlps = (self.num_layers - moe_layers) * mlp + moe_layers * moe
+        return self.num_layers * layer + mlps + embeddings + output + self.hidden_size
 
 
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(),
     "small": GPTConfig(
         num_layers=4, hidden_size=256, num_attention_heads=8, ffn_hidden_size=688, vocab_size=1024, seq_length=128
+    ),
+    "tiny_moe": GPTConfig(num_moe_experts=4, moe_ffn_hidden_size=64, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3),
+    "small_moe": GPTConfig(
+        num_layers=4,
+        hidden_size=256,
+        num_attention_heads=8,
+        ffn_hidden_size=688,
+        vocab_size=1024,
+        seq_length=128,
+        num_moe_experts=8,
+        moe_ffn_hidden_size=256,
+        moe_shared_expert_intermediate_size=256,
+        moe_aux_loss_coeff=1e-2,
+        moe_z_loss_coeff=1e-3,
     ),
     "llama3_1b": GPTConfig(
         num_layers=16,
@@ -89,7 +129,7 @@ PRESETS: dict[str, GPTConfig] = {
 
 
 def gpt_config(size: str = "tiny", **overrides) -> GPTConfig:
-    """A preset (`tiny`, `small`, `llama3_1b`, `llama3_8b`) with field overrides."""
+    """A preset (`tiny`, `small`, `tiny_moe`, `small_moe`, `llama3_1b`, `llama3_8b`) with field overrides."""
     if size not in PRESETS:
         raise ValueError(f"Unknown model size {size!r}; choose one of {sorted(PRESETS)}")
     return replace(PRESETS[size], **overrides)
@@ -122,11 +162,15 @@ def output_init_std(config: GPTConfig) -> float:
     return config.init_method_std / math.sqrt(2.0 * config.num_layers)
 
 
-def rotary_tables(config: GPTConfig, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(config: GPTConfig, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles at `position_ids` (global positions): [seq] gives [seq, head_dim / 2],
+    [batch, seq] (a data set's per-sample positions) gives [batch, 1, seq, head_dim / 2], broadcast over heads."""
     inv_freq = 1.0 / config.rotary_base ** (
-        torch.arange(0, config.head_dim, 2, device=device).float() / config.head_dim
+        torch.arange(0, config.head_dim, 2, device=position_ids.device).float() / config.head_dim
     )
-    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
+    angles = position_ids.float().unsqueeze(-1) * inv_freq
+    if angles.dim() == 3:
+        angles = angles.unsqueeze(1)
     return angles.cos(), angles.sin()
 
 
@@ -137,9 +181,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
+    """Causal self-attention with rotary positions and grouped queries; with `context_parallel` set (by
+    `GPTModel.parallelize_context`), the sequence is split over cp ranks and attention runs as a ring."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
+        self.context_parallel: ContextParallel | None = None
         kv_dim = config.num_query_groups * config.head_dim
         std = config.init_method_std
         self.q_proj = Linear(config.hidden_size, config.hidden_size, std)
@@ -154,45 +202,82 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(batch, seq, -1, head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, -1, head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        if self.context_parallel is not None:
+            out = self.context_parallel.attention(q, k, v, causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, ffn_hidden_size: int | None = None) -> None:
         super().__init__()
         std = config.init_method_std
-        self.gate_proj = Linear(config.hidden_size, config.ffn_hidden_size, std)
-        self.up_proj = Linear(config.hidden_size, config.ffn_hidden_size, std)
-        self.down_proj = Linear(config.ffn_hidden_size, config.hidden_size, output_init_std(config))
+        ffn_hidden_size = ffn_hidden_size or config.ffn_hidden_size
+        self.gate_proj = Linear(config.hidden_size, ffn_hidden_size, std)
+        self.up_proj = Linear(config.hidden_size, ffn_hidden_size, std)
+        self.down_proj = Linear(ffn_hidden_size, config.hidden_size, output_init_std(config))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    """`layer_number`: the layer's global index, which decides between a dense MLP and a `MoELayer`
+    (`moe_layer_freq`)."""
+
+    def __init__(self, config: GPTConfig, layer_number: int = 0) -> None:
         super().__init__()
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
         self.self_attention = Attention(config)
         self.pre_mlp_layernorm = nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
-        self.mlp = MLP(config)
+        if moe_layer_pattern(config)[layer_number]:
+            self.mlp = MoELayer(config, lambda ffn_hidden_size: MLP(config, ffn_hidden_size))
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attention(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.pre_mlp_layernorm(x))
 
 
+class LayerDict(nn.ModuleDict):
+    """Transformer layers keyed by their global index (`layers.{i}` in checkpoints, whichever layers a pipeline
+    stage holds); indexable by int and iterated in index order like a `ModuleList`."""
+
+    def __init__(self, layers: dict[int, nn.Module] | None = None) -> None:
+        super().__init__({str(index): layer for index, layer in sorted((layers or {}).items())})
+
+    def __getitem__(self, index: int | str) -> nn.Module:
+        return super().__getitem__(str(index))
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self.values())
+
+    def indices(self) -> list[int]:
+        """The global indices of the layers held, ascending."""
+        return [int(key) for key in self.keys()]
+
+
 class GPT(nn.Module):
-    """Decoder-only language model: token ids [batch, seq] -> logits [batch, seq, vocab]."""
+    """Decoder-only language model: token ids [batch, seq] -> logits [batch, seq, vocab].
+
+    A pipeline stage is a GPT holding some of the layers (`layers` keyed by global index): without
+    `pre_process` it takes hidden states instead of token ids, without `post_process` it returns hidden states
+    (Megatron-Core's names). `sequence_parallel_size`: how many ranks the hidden states' sequence dimension is
+    split over between layers (sequence parallelism), so a stage taking hidden states knows the full length.
+    """
 
     fsdp_unit_modules = (TransformerLayer, Embedding)  # FSDP2 shards and gathers each of these as one unit
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
+        self.pre_process = True
+        self.post_process = True
+        self.sequence_parallel_size = 1
         self.embedding = Embedding(config.vocab_size, config.hidden_size, config.init_method_std)
-        self.layers = nn.ModuleList(TransformerLayer(config) for _ in range(config.num_layers))
+        self.layers = LayerDict({index: TransformerLayer(config, index) for index in range(config.num_layers)})
         self.final_layernorm = nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
         self.output_layer = None
         if not config.share_embeddings_and_output_weights:
@@ -210,14 +295,21 @@ class GPT(nn.Module):
             if module is not self and hasattr(module, "reset_parameters"):
                 module.reset_parameters()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        cos, sin = rotary_tables(self.config, tokens.shape[1], tokens.device)
-        x = self.embedding(tokens)
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`tokens`: token ids [batch, seq] (hidden states [batch, seq, hidden] without `pre_process`);
+        `position_ids` ([seq] or [batch, seq]): the global positions of their columns (default 0..seq-1)."""
+        if position_ids is None:
+            seq_length = tokens.shape[1] * (1 if self.pre_process else self.sequence_parallel_size)
+            position_ids = torch.arange(seq_length, device=tokens.device)
+        cos, sin = rotary_tables(self.config, position_ids)
+        x = self.embedding(tokens) if self.pre_process else tokens
         for layer in self.layers:
             if self.config.recompute_granularity == "full" and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
                 x = layer(x, cos, sin)
+        if not self.post_process:
+            return x
         x = self.final_layernorm(x)
         if self.output_layer is None:
             return F.linear(x, self.embedding.weight)

@@ -4,15 +4,17 @@ The plan follows Megatron-Core and torchtitan: q/k/v and gate/up projections are
 `Shard(0)` over `tp`), o/down projections row-parallel (`Shard(1)`), the embedding is vocab-parallel and the
 output layer column-parallel with its logits gathered. With `sequence_parallel`, norms run on sequence shards
 (`SequenceParallel`) and activations between blocks stay sharded on the sequence dimension; without it, norms
-hold `Replicate` weights. Every parameter becomes a DTensor on the `tp` mesh, so FSDP (`fully_shard` on the
-`dp` mesh) composes on top and gradient clipping sees one mesh.
+hold `Replicate` weights. A linear layer carrying LoRA adapters places them like Megatron-Core (see
+`LoRALinear.tensor_parallel_placements`). Every parameter becomes a DTensor on the `tp` mesh, so FSDP
+(`fully_shard` on the `dp` mesh) composes on top and gradient clipping sees one mesh.
 
     mesh = build_device_mesh("cpu", tensor_model_parallel_size=2)
     parallelize_gpt(model, mesh["tp"], sequence_parallel=True)
 """
 
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -25,6 +27,34 @@ from torch.distributed.tensor.parallel import (
 
 from nemo_ckpt.models.gpt.model import GPT, GPTConfig
 from nemo_ckpt.parallel.tensor_parallel import ReplicateParallel
+
+
+def _distribute_with_adapters(apply, style: str, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    """Run the linear style `apply` on `module`'s base weight, then place the parameters the module declares with
+    `tensor_parallel_placements(style)` (LoRA adapters) as it asks."""
+    placements = module.tensor_parallel_placements(style) if hasattr(module, "tensor_parallel_placements") else {}
+    extras = {name: getattr(module, name) for name in placements}
+    for name in extras:
+        delattr(module, name)
+    apply(module, device_mesh)
+    for name, param in extras.items():
+        placed = distribute_tensor(param.detach(), device_mesh, [placements[name]])
+        module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
+    return module
+
+
+class LinearColwiseParallel(ColwiseParallel):
+    """`ColwiseParallel` that also places a layer's adapters (`tensor_parallel_placements("colwise")`)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return _distribute_with_adapters(super()._apply, "colwise", module, device_mesh)
+
+
+class LinearRowwiseParallel(RowwiseParallel):
+    """`RowwiseParallel` that also places a layer's adapters (`tensor_parallel_placements("rowwise")`)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return _distribute_with_adapters(super()._apply, "rowwise", module, device_mesh)
 
 
 def validate_tensor_parallel(config: GPTConfig, tensor_model_parallel_size: int, sequence_parallel: bool) -> None:
@@ -70,22 +100,22 @@ def tensor_parallel_plan(config: GPTConfig, sequence_parallel: bool) -> dict[str
         "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=activations),
         "layers.*.input_layernorm": norm(),
         "layers.*.self_attention": gather_input(num_inputs=3),
-        "layers.*.self_attention.q_proj": ColwiseParallel(),
-        "layers.*.self_attention.k_proj": ColwiseParallel(),
-        "layers.*.self_attention.v_proj": ColwiseParallel(),
-        "layers.*.self_attention.o_proj": RowwiseParallel(output_layouts=activations),
+        "layers.*.self_attention.q_proj": LinearColwiseParallel(),
+        "layers.*.self_attention.k_proj": LinearColwiseParallel(),
+        "layers.*.self_attention.v_proj": LinearColwiseParallel(),
+        "layers.*.self_attention.o_proj": LinearRowwiseParallel(output_layouts=activations),
         "layers.*.pre_mlp_layernorm": norm(),
         "layers.*.mlp": gather_input(num_inputs=1),
-        "layers.*.mlp.gate_proj": ColwiseParallel(),
-        "layers.*.mlp.up_proj": ColwiseParallel(),
-        "layers.*.mlp.down_proj": RowwiseParallel(output_layouts=activations),
+        "layers.*.mlp.gate_proj": LinearColwiseParallel(),
+        "layers.*.mlp.up_proj": LinearColwiseParallel(),
+        "layers.*.mlp.down_proj": LinearRowwiseParallel(output_layouts=activations),
     }
     if config.share_embeddings_and_output_weights:
         # logits = final_norm(x) @ embedding.weight.T: DTensor math gives vocab-sharded logits, gathered below
         plan["final_layernorm"] = norm(use_local_output=False)
     else:
         plan["final_layernorm"] = norm()
-        plan["output_layer"] = ColwiseParallel(input_layouts=activations, output_layouts=Replicate())
+        plan["output_layer"] = LinearColwiseParallel(input_layouts=activations, output_layouts=Replicate())
     return plan
 
 

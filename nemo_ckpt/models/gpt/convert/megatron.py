@@ -17,8 +17,8 @@ homogeneous layers):
     output_layer.weight                              <- output_layer.weight (absent with tied embeddings)
 
 The local (non-Transformer-Engine) spec's `input_layernorm.weight` / `pre_mlp_layernorm.weight` names are read
-too. Both use the rotate-half rotary layout (`rotary_interleaved=False`), as we do. This follows Megatron-Core's
-documented layout; megatron-core itself is not installed here to compare against.
+too. Both use the rotate-half rotary layout (`rotary_interleaved=False`), as we do. Checked against megatron-core
+0.19.2's own GPTModel (local spec, on CPU) when it is importable: `tests/models/test_megatron_core_gpt.py`.
 """
 
 from collections.abc import Callable

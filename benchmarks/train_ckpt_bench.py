@@ -1,0 +1,289 @@
+"""Checkpoint cost as training sees it: a GPT whose model + optimizer state is over 1 GiB per rank, trained on
+2 processes with `MegatronStrategy` and `ModelCheckpoint`, checkpointing every N steps.
+
+    python benchmarks/train_ckpt_bench.py [--every 10] [--checkpoints 3] [--reps 2] [--ranks 2]
+
+Configurations, interleaved (rotated order per repetition), each in fresh processes: no checkpoint; sync saves;
+async saves; async + parallel saves (`ckpt_parallel_save` and `ckpt_parallel_save_optim`: the replicated DDP
+state is written once, each rank its half). All with `ckpt_assume_constant_structure` and 2 writer threads per
+rank, the data-parallel `no_shard` layout (DDP), AdamW, 1 torch thread per rank. Measured, on the slowest rank:
+- step time: every step's wall time (after warm-up), median and the slowest step;
+- time lost per checkpoint: (training time - the no-checkpoint run's) / number of checkpoints, training time
+  being from the first measured step's start to the last step's end (the last save is finished inside it);
+- time to commit: from the save's start to its commit (the directory renamed, the manifest updated);
+- staging memory: peak resident memory added per rank against the no-checkpoint run;
+- the baseline of the async target: copying the model + optimizer state into preallocated memory.
+Medians over repetitions. Writes `## Checkpoints during training` in benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from results import check_dependencies, write_section
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from nemo_ckpt.checkpoint import ModelCheckpoint  # noqa: E402
+from nemo_ckpt.data import MockDataModule  # noqa: E402
+from nemo_ckpt.models import GPTModel, gpt_config  # noqa: E402
+from nemo_ckpt.optim import OptimizerConfig  # noqa: E402
+from nemo_ckpt.parallel.ddp_config import DistributedDataParallelConfig  # noqa: E402
+from nemo_ckpt.strategy import MegatronStrategy  # noqa: E402
+from tests.helpers.distributed import free_port  # noqa: E402
+
+SECTION = "## Checkpoints during training"
+# 96M parameters: x 12 bytes (fp32 weights, Adam's two moments) = 1.07 GiB of model + optimizer state per rank
+MODEL = {"num_layers": 2, "hidden_size": 256, "ffn_hidden_size": 688, "vocab_size": 184320, "seq_length": 32}
+WARMUP_STEPS = 3
+CONFIGS = {
+    "no checkpoint": None,
+    "sync": {},
+    "async": {"ckpt_async_save": True},
+    "async + parallel save": {"ckpt_async_save": True, "ckpt_parallel_save": True, "ckpt_parallel_save_optim": True},
+}
+
+
+class Measure(pl.Callback):
+    """Per step: start and end times; and the bytes of model + optimizer state."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.state_bytes = 0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.starts.append(time.perf_counter())
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.ends.append(time.perf_counter())
+
+
+class TimedModelCheckpoint(ModelCheckpoint):
+    """`ModelCheckpoint` that records when each save starts and when it is committed."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.started: dict[int, float] = {}
+        self.committed: dict[int, float] = {}
+
+    def save(self, trainer: pl.Trainer, weights_only: bool = False) -> Path:
+        self.started.setdefault(trainer.global_step, time.perf_counter())
+        return super().save(trainer, weights_only)
+
+    def _commit(self, trainer: pl.Trainer, record: Any) -> None:
+        super()._commit(trainer, record)
+        self.committed[record.step] = time.perf_counter()
+
+
+def state_tensors(model: pl.LightningModule, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    tensors = [param.detach() for param in model.parameters()]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()]
+    return tensors
+
+
+def copy_time(tensors: list[torch.Tensor]) -> float:
+    """Seconds to copy `tensors` into memory kept from an earlier copy (median of 3, after one to allocate)."""
+    buffers = [torch.empty_like(t) for t in tensors]
+    times = []
+    for _ in range(4):
+        start = time.perf_counter()
+        for buffer, tensor in zip(buffers, tensors):
+            buffer.copy_(tensor)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def worker(
+    rank: int,
+    ranks: int,
+    port: int,
+    name: str,
+    every: int,
+    checkpoints: int,
+    root: str,
+    model_shape: dict,
+    results: Any,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(ranks),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    try:
+        pl.seed_everything(0, verbose=False)
+        options = CONFIGS[name]
+        strategy = MegatronStrategy(
+            ddp=DistributedDataParallelConfig(data_parallel_sharding_strategy="no_shard", overlap_grad_reduce=True),
+            **({} if options is None else {"ckpt_assume_constant_structure": True, **options}),
+        )
+        config = gpt_config("tiny", **model_shape)
+        model = GPTModel(config, OptimizerConfig(lr=1e-4))
+        data = MockDataModule(
+            seq_length=config.seq_length, vocab_size=config.vocab_size, micro_batch_size=1, global_batch_size=ranks
+        )
+        measure = Measure()
+        callbacks: list[pl.Callback] = [measure]
+        checkpoint = None
+        if options is not None:
+            checkpoint = TimedModelCheckpoint(
+                dirpath=str(Path(root) / "checkpoints"), every_n_train_steps=every, save_top_k=1, save_last=False
+            )
+            callbacks.append(checkpoint)
+        steps = WARMUP_STEPS + every * checkpoints + every // 2
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=ranks,
+            strategy=strategy,
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            callbacks=callbacks,
+        )
+        rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        trainer.fit(model, datamodule=data)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
+        tensors = state_tensors(model, trainer.optimizers[0])
+        state_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        copy = copy_time(tensors)
+        commits = []
+        if checkpoint is not None:
+            # the saves inside the measured steps (the one at the end of training is not)
+            commits = [checkpoint.committed[s] - checkpoint.started[s] for s in checkpoint.committed if s < steps]
+        per_rank: list[Any] = [None] * ranks
+        dist.all_gather_object(per_rank, (measure.starts, measure.ends, peak, state_bytes, copy, commits))
+        if rank == 0:
+            step_times = [
+                max(end[i] - start[i] for start, end, *_ in per_rank) for i in range(WARMUP_STEPS, len(measure.ends))
+            ]
+            results[name] = {
+                "train": max(end[-1] - start[WARMUP_STEPS] for start, end, *_ in per_rank),
+                "steps": step_times,
+                "peak": max(p[2] for p in per_rank),
+                "state_bytes": max(p[3] for p in per_rank),
+                "copy": max(p[4] for p in per_rank),
+                "commits": [max(c) for c in zip(*(p[5] for p in per_rank))],
+                "checkpoints": checkpoints,
+            }
+    finally:
+        dist.destroy_process_group()
+
+
+def run(names: list[str], ranks: int, every: int, checkpoints: int, reps: int) -> dict[str, list[dict]]:
+    measured: dict[str, list[dict]] = {name: [] for name in names}
+    with mp.Manager() as manager:
+        for rep in range(reps):
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
+                root = tempfile.mkdtemp(prefix="train_ckpt_bench_", dir="/tmp")
+                try:
+                    results = manager.dict()
+                    mp.spawn(
+                        worker, args=(ranks, free_port(), name, every, checkpoints, root, MODEL, results), nprocs=ranks
+                    )
+                    measured[name].append(dict(results[name]))
+                finally:
+                    shutil.rmtree(root, ignore_errors=True)
+                run_ = measured[name][-1]
+                print(
+                    f"rep {rep} {name}: train {run_['train']:.2f} s, median step {statistics.median(run_['steps']):.3f}"
+                    f" s, commits {[round(c, 2) for c in run_['commits']]}, peak {run_['peak'] / 2**30:.2f} GiB",
+                    flush=True,
+                )
+    return measured
+
+
+def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints: int, reps: int, note: str) -> str:
+    base = measured["no checkpoint"]
+    base_train = statistics.median(r["train"] for r in base)
+    base_step = statistics.median(statistics.median(r["steps"]) for r in base)
+    base_peak = statistics.median(r["peak"] for r in base)
+    copy = statistics.median(r["copy"] for runs in measured.values() for r in runs)
+    state_gib = base[0]["state_bytes"] / 2**30
+    lines = [
+        "| configuration | median step s | slowest step s | lost per checkpoint s | lost / copy to preallocated "
+        "| lost / interval at N=50 | time to commit s | peak memory added / rank GiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, runs in measured.items():
+        train = statistics.median(r["train"] for r in runs)
+        median_step = statistics.median(statistics.median(r["steps"]) for r in runs)
+        slowest = statistics.median(max(r["steps"]) for r in runs)
+        peak = statistics.median(r["peak"] for r in runs) - base_peak
+        if name == "no checkpoint":
+            cells = [name, f"{median_step:.3f}", f"{slowest:.3f}", "", "", "", "", "0 (baseline)"]
+        else:
+            lost = (train - base_train) / checkpoints
+            commit = statistics.median(c for r in runs for c in r["commits"])
+            cells = [
+                name,
+                f"{median_step:.3f}",
+                f"{slowest:.3f}",
+                f"{lost:.2f}",
+                f"{lost / copy:.2f}",
+                f"{lost / (50 * base_step):.1%}",
+                f"{commit:.2f}",
+                f"{peak / 2**30:.2f}",
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return (
+        f"{SECTION}\n\n`python benchmarks/train_ckpt_bench.py --every {every} --checkpoints {checkpoints} "
+        f"--reps {reps}` on {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {ranks} gloo "
+        f"ranks with 1 thread each. GPT of {MODEL['vocab_size']} vocab x {MODEL['hidden_size']} "
+        f"hidden, {MODEL['num_layers']} layers: {state_gib:.2f} GiB of model + optimizer state per rank (DDP, "
+        f"replicated), AdamW, micro-batch 1 x {MODEL['seq_length']} tokens per rank. A checkpoint every {every} "
+        f"steps, {checkpoints} per run; `ckpt_assume_constant_structure`, 2 writer threads per rank. Copying the "
+        f"state into preallocated memory takes {copy:.3f} s per rank; the no-checkpoint run's median step is "
+        f"{base_step:.3f} s (so N=50 steps are {50 * base_step:.1f} s). Lost per checkpoint: (training time - the "
+        "no-checkpoint run's) / checkpoints; time to commit: from the save's start to the manifest's update. "
+        f"Medians over {reps} repetitions, configurations interleaved. {note}\n\n" + "\n".join(lines) + "\n"
+    )
+
+
+def main() -> None:
+    check_dependencies([])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--every", type=int, default=10, help="steps between checkpoints (N)")
+    parser.add_argument("--checkpoints", type=int, default=3, help="checkpoints per run")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=MODEL["vocab_size"], help="smaller for a quick try")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--note", default="", help="appended to the RESULTS.md section (machine, load)")
+    parser.add_argument("--no-write", action="store_true", help="print the table only")
+    args = parser.parse_args()
+    MODEL["vocab_size"] = args.vocab_size
+    names = ["no checkpoint"] + [name for name in args.configs if name != "no checkpoint"]
+    measured = run(names, args.ranks, args.every, args.checkpoints, args.reps)
+    text = report(measured, args.ranks, args.every, args.checkpoints, args.reps, args.note)
+    print(text)
+    if not args.no_write:
+        write_section(text, REPO / "benchmarks" / "RESULTS.md")
+
+
+if __name__ == "__main__":
+    main()

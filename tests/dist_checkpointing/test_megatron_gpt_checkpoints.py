@@ -1,0 +1,50 @@
+"""A GPT checkpoint with its distributed optimizer's Adam state, exchanged with every installed megatron-core
+version in both directions across world sizes 4 -> 2 and 1 (tensor-parallel 2 -> 1).
+
+megatron-core writes the optimizer format it uses by default: 0.15.3 `fully_sharded_model_space` (flattened
+ranges of the dp ranks, stored in its reformulated layout), 0.19.2 `fully_reshardable` (model space). Our
+checkpoints hold optimizer state in model space, which both read; megatron-core <= 0.18 reads flattened templates
+only from its own reformulated layout, so it is never asked to. See megatron_gpt_state.py.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.megatron import megatron_core_sites, torchrun
+
+WORKER = Path(__file__).with_name("megatron_gpt_state.py")
+SITES = megatron_core_sites()
+MEGATRON_FORMAT = {"0.15.3": "flat", "0.19.2": "model_space"}
+VERSIONS = [pytest.param(version, id=f"megatron-core-{version}") for version in MEGATRON_FORMAT]
+
+
+def site(version: str) -> Path:
+    if version not in SITES:
+        pytest.skip(f"megatron-core {version} is not installed: run tests/install_megatron_core.sh")
+    return SITES[version]
+
+
+def assert_loads(world_size: int, *args: str, site: Path | None = None) -> None:
+    output = torchrun(world_size, WORKER, *args, site=site).stdout
+    assert output.count("tensors equal") == world_size, output
+
+
+@pytest.fixture(scope="module")
+def our_checkpoint(tmp_path_factory) -> Path:
+    checkpoint = tmp_path_factory.mktemp("ours")
+    torchrun(4, WORKER, "ours", "save", str(checkpoint), "model_space")
+    return checkpoint
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_megatron_checkpoint_loads_here_at_other_world_sizes(version, tmp_path):
+    torchrun(4, WORKER, "megatron", "save", str(tmp_path), MEGATRON_FORMAT[version], site=site(version))
+    for world_size in (2, 1):
+        assert_loads(world_size, "ours", "load", str(tmp_path), MEGATRON_FORMAT[version])
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_our_checkpoint_loads_in_megatron_at_other_world_sizes(version, our_checkpoint):
+    for world_size in (2, 1):
+        assert_loads(world_size, "megatron", "load", str(our_checkpoint), "model_space", site=site(version))

@@ -1,0 +1,229 @@
+"""The tiny recipe on a real two-node Slurm cluster (node0, node1: two slurmds, each in its own network namespace):
+torchrun's multi-node rendezvous, resume on 2 and on 1 node with bit-identical weights, a hung rank failing the job
+within the process-group timeout and the retry resuming, USR1 preemption across both nodes."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import nemo_run as run
+import pytest
+import torch
+
+from launch.slurm import check_job, check_partition_nodes, slurm_executor
+from nemo_ckpt import dist_checkpointing
+from recipes import pretrain_recipe
+from tests.slurm.cluster import SlurmCluster
+
+REPO = Path(__file__).resolve().parents[2]
+JOB_ENV = {"PATH": f"{Path(sys.executable).parent}:$PATH", "PYTHONPATH": str(REPO)}  # this venv, this checkout
+MICRO_BATCH = 4  # global batch 8 in every layout below: 2 nodes x 1 rank and 1 node x 2 ranks are both dp=2
+
+
+def tiny(log_dir: Path, nodes: int, max_steps: int, every: int, decay_steps: int | None = None) -> run.Partial:
+    recipe = pretrain_recipe(
+        name="tiny",
+        dir=str(log_dir),
+        num_nodes=nodes,
+        num_gpus_per_node=2 // nodes,
+        max_steps=max_steps,
+        micro_batch_size=MICRO_BATCH,
+        global_batch_size=2 * MICRO_BATCH,
+    )
+    recipe.log.ckpt.every_n_train_steps = every
+    recipe.log.ckpt.save_top_k = -1
+    recipe.optim.lr_decay_steps = decay_steps  # the same LR schedule for a run cut short and its resumption
+    return recipe
+
+
+def submit(recipe: run.Partial, nodes: int, **executor_args) -> tuple[str, Path]:
+    """Check, then submit `recipe` detached on `nodes` nodes (2 ranks in all); return (Slurm job id, job dir)."""
+    executor = slurm_executor(
+        nodes=nodes, ntasks_per_node=2 // nodes, time="00:10:00", env_vars=JOB_ENV, **executor_args
+    )
+    check_job(recipe, executor)
+    with run.Experiment("tiny", executor=executor, log_level="WARN") as exp:
+        exp.add(recipe, name="pretrain")
+        exp.run(detach=True)
+        return exp.jobs[0].handle.rsplit("/", 1)[-1], Path(exp.jobs[0].executor.job_dir)
+
+
+def job_log(job_dir: Path, job_id: str, restart: int = 0) -> str:
+    return (job_dir / f"log-nemo_ckpt.pretrain_{job_id}_{restart}.out").read_text()
+
+
+def manifest(log_dir: Path) -> list[dict]:
+    path = log_dir / "tiny" / "checkpoints" / "checkpoints.json"
+    return json.loads(path.read_text())["checkpoints"] if path.exists() else []
+
+
+def checkpoint_of(log_dir: Path, step: int) -> Path:
+    [name] = [record["name"] for record in manifest(log_dir) if record["step"] == step]
+    return log_dir / "tiny" / "checkpoints" / name
+
+
+def weights(log_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return dist_checkpointing.load_plain_tensors(checkpoint_of(log_dir, step) / "weights")
+
+
+def wait_for_checkpoint(cluster: SlurmCluster, job_id: str, log_dir: Path, timeout: float = 240) -> int:
+    """The step of the first complete checkpoint, once there is one and no save is under way."""
+    deadline = time.monotonic() + timeout
+    while not (records := manifest(log_dir)) or {record["state"] for record in records} != {"complete"}:
+        assert time.monotonic() < deadline, f"no checkpoint yet: {cluster.job(job_id)}"
+        time.sleep(0.1)
+    return records[-1]["step"]
+
+
+def worker_pid(job_id: str, node_id: int) -> int:
+    """The PID of the training process of job `job_id` on node `node_id`: the child of that node's torchrun (its own
+    children, e.g. multiprocessing helpers, carry the same environment)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            env = dict(item.split("=", 1) for item in (proc / "environ").read_text().split("\0") if "=" in item)
+            parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            parent_cmdline = Path("/proc", parent, "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if (
+            env.get("SLURM_JOB_ID") == job_id
+            and env.get("SLURM_NODEID") == str(node_id)
+            and "LOCAL_RANK" in env
+            and b"torchrun" in parent_cmdline
+        ):
+            return int(proc.name)
+    raise LookupError(f"no worker of job {job_id} on node {node_id}")
+
+
+def test_two_nodes_each_with_its_own_address(two_node_cluster: SlurmCluster, tmp_path: Path) -> None:
+    out = subprocess.run(["sinfo", "--noheader", "--format=%P %t %D %N"], check=True, capture_output=True, text=True)
+    assert out.stdout.split() == ["debug*", "idle", "2", "node[0-1]"]
+    job_id = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes=2",
+            "--time=00:01:00",
+            f"--output={tmp_path / 'out.txt'}",
+            "--wrap",
+            "srun bash -c 'echo $(hostname) $(hostname --ip-address) $SLURM_NODEID'",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+
+    assert two_node_cluster.wait(job_id)["JobState"] == "COMPLETED"
+    subnet = (two_node_cluster.dir / "net").read_text().strip()
+    lines = sorted((tmp_path / "out.txt").read_text().splitlines())
+    assert lines == [f"node0 10.231.{subnet}.2 0", f"node1 10.231.{subnet}.3 1"]
+
+
+def test_partition_node_count_is_checked_before_submitting(two_node_cluster: SlurmCluster, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="partition 'debug' has 2 node\\(s\\), the job asks for nodes=3"):
+        check_partition_nodes(slurm_executor(nodes=3))
+    with pytest.raises(ValueError, match="partition 'gpu' does not exist: set partition= to one of debug"):
+        check_partition_nodes(slurm_executor(nodes=2, partition="gpu"))
+    assert "to start at" in check_job(tiny(tmp_path, nodes=2, max_steps=1, every=1), slurm_executor(nodes=2))
+
+
+def test_resume_on_two_and_on_one_node_is_bit_identical(
+    two_node_cluster: SlurmCluster, nemorun_home: Path, tmp_path: Path
+) -> None:
+    """2 nodes x 1 rank train 4 of 8 steps; one job resumes them on 2 nodes, another on 1 node x 2 ranks; both end
+    with the weights of 8 steps on 1 node (all with global batch 8, the same LR schedule)."""
+    two, one, reference = tmp_path / "two", tmp_path / "one", tmp_path / "reference"
+    first_id, first_dir = submit(tiny(two, nodes=2, max_steps=4, every=4, decay_steps=8), nodes=2)
+    reference_id, _ = submit(tiny(reference, nodes=1, max_steps=8, every=8), nodes=1)
+    first = two_node_cluster.wait(first_id, timeout=240)
+
+    log = job_log(first_dir, first_id)
+    assert first["JobState"] == "COMPLETED" and first["NodeList"] == "node[0-1]", log
+    assert "GLOBAL_RANK: 0, MEMBER: 1/2" in log and "GLOBAL_RANK: 1, MEMBER: 2/2" in log
+    assert "`Trainer.fit` stopped: `max_steps=4` reached." in log
+    shards = sorted(p.name for p in (checkpoint_of(two, 4) / "weights").glob("*.distcp"))
+    assert {name.split("_")[2] for name in shards} == {"0", "1"}, f"both nodes' ranks write shards: {shards}"
+    shutil.copytree(two, one, symlinks=True)  # `-last` is a relative symlink
+
+    resume_two_id, resume_two_dir = submit(tiny(two, nodes=2, max_steps=8, every=8, decay_steps=8), nodes=2)
+    resume_one_id, resume_one_dir = submit(tiny(one, nodes=1, max_steps=8, every=8, decay_steps=8), nodes=1)
+    for job_id, job_dir, log_dir in ((resume_two_id, resume_two_dir, two), (resume_one_id, resume_one_dir, one)):
+        info = two_node_cluster.wait(job_id, timeout=240)
+        log = job_log(job_dir, job_id)
+        assert info["JobState"] == "COMPLETED", log
+        assert f"Restoring states from the checkpoint path at {checkpoint_of(log_dir, 4)}" in log
+    assert two_node_cluster.wait(reference_id, timeout=240)["JobState"] == "COMPLETED"
+
+    expected = weights(reference, 8)
+    for resumed in (weights(two, 8), weights(one, 8)):
+        assert resumed.keys() == expected.keys()
+        for key, tensor in expected.items():
+            assert torch.equal(resumed[key], tensor), key
+
+
+def test_hung_rank_fails_the_job_within_the_timeout_and_the_retry_resumes(
+    two_node_cluster: SlurmCluster, nemorun_home: Path, tmp_path: Path
+) -> None:
+    """SIGSTOP of node1's rank: node0's rank times out in its next collective (`MegatronStrategy(timeout=...)`), srun
+    kills the step on both nodes, NeMo-Run's retry requeues the job, which resumes from the last checkpoint.
+
+    `retries=2`: on a loaded machine node1's slurmd can be so late cleaning up the first attempt that its terminate
+    order for the job (same job id) kills the first retry on node1; the next retry then runs (seen with Slurm 22.05).
+    """
+    timeout_s, max_steps = 60, 120
+    log_dir = tmp_path / "runs"
+    recipe = tiny(log_dir, nodes=2, max_steps=max_steps, every=10)
+    recipe.trainer.strategy.timeout = run.Config(timedelta, seconds=timeout_s)
+    job_id, job_dir = submit(recipe, nodes=2, retries=2)
+    saved = wait_for_checkpoint(two_node_cluster, job_id, log_dir)
+
+    os.kill(worker_pid(job_id, node_id=1), signal.SIGSTOP)
+    stopped = time.monotonic()
+    while two_node_cluster.job(job_id)["Restarts"] == "0":
+        assert time.monotonic() - stopped < 2 * timeout_s, f"still running: {two_node_cluster.job(job_id)}"
+        time.sleep(0.2)
+    info = two_node_cluster.wait(job_id, timeout=300)
+
+    restarts = int(info["Restarts"])
+    first, second = job_log(job_dir, job_id, restart=0), job_log(job_dir, job_id, restart=restarts)
+    assert info["JobState"] == "COMPLETED" and restarts in (1, 2), second
+    assert "Timed out waiting 60000ms" in first, first[-3000:]
+    resumed = int(re.search(r"Restoring states from the checkpoint path at \S+step=(\d+)", second)[1])
+    assert resumed >= saved
+    assert f"`Trainer.fit` stopped: `max_steps={max_steps}` reached." in second
+    records = manifest(log_dir)
+    assert {record["state"] for record in records} == {"complete"}
+    assert {record["step"] for record in records} == set(range(10, max_steps + 1, 10)), "no checkpoint lost"
+    for record in records:
+        assert weights(log_dir, record["step"]), f"step {record['step']}: readable"
+
+
+def test_preemption_signal_reaches_both_nodes_checkpoints_requeues_and_resumes(
+    two_node_cluster: SlurmCluster, nemorun_home: Path, tmp_path: Path
+) -> None:
+    log_dir, max_steps = tmp_path / "runs", 120
+    job_id, job_dir = submit(tiny(log_dir, nodes=2, max_steps=max_steps, every=10), nodes=2, signal="USR1@60")
+    wait_for_checkpoint(two_node_cluster, job_id, log_dir)
+
+    subprocess.run(["scancel", "--signal=USR1", job_id], check=True)  # torchrun and workers on node0 and node1
+    info = two_node_cluster.wait(job_id, timeout=300)
+
+    first, second = job_log(job_dir, job_id, restart=0), job_log(job_dir, job_id, restart=1)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", second
+    [saved] = [line for line in first.splitlines() if "Received SIGUSR1: saved" in line]
+    step = int(saved.rsplit(" at step ", 1)[1].split(";")[0])
+    assert 10 <= step < max_steps - 10, "the signal arrived mid-training"
+    assert f"Requeueing Slurm job {job_id} to resume from step {step}" in first
+    shards = sorted(p.name for p in (checkpoint_of(log_dir, step) / "weights").glob("*.distcp"))
+    assert {name.split("_")[2] for name in shards} == {"0", "1"}, f"both nodes' ranks write shards: {shards}"
+    assert f"Restoring states from the checkpoint path at {checkpoint_of(log_dir, step)}" in second
+    assert f"`Trainer.fit` stopped: `max_steps={max_steps}` reached." in second
+    for log in (first, second):
+        assert {line.split(": ", 1)[0] for line in log.splitlines() if ": " in line} >= {"0", "1"}, "both nodes"
