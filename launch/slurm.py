@@ -33,23 +33,29 @@ Behaviour of NeMo-Run 0.11.1 worth knowing:
   to the experiment dir and submitted from the tunnel's job dir;
 * waiting for a job (`exp.run()` without `detach=True`) and `nemo experiment
   status/logs` query `sacct`, which needs Slurm accounting (slurmdbd); without it
-  they see UNKNOWN. Logs are written to
-  `<job dir>/log-nemo_ckpt.<task>_<job id>_<restart>.out`, one file per (re)start.
+  they see UNKNOWN;
+* NeMo-Run names the job log after the restart count, one file per (re)start, and `nemo experiment logs`
+  shows the first file only. `JobLog` keeps every attempt in one `<job dir>/log-nemo_ckpt.<task>_<job id>.out`
+  (srun `--open-mode=append`); each attempt starts with the `PreemptionCallback`'s line
+  `Slurm job <id>: attempt <n>`.
 """
 
 import re
 import shlex
 import shutil
 import socket
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import nemo_run as run
 from nemo_run.config import RUNDIR_NAME, get_nemorun_home
+from nemo_run.core.execution.slurm import SlurmJobDetails
 
 from nemo_ckpt._compat import nemo_run_experiment_dir
 from nemo_ckpt.checkpoint.preemption import signal_number
 from nemo_ckpt.logger.text_log import launcher_env
+from nemo_ckpt.parallel.mesh import PARALLEL_SIZE_OPTIONS, ParallelDims
 
 _TIME = re.compile(r"^(\d+-\d+(:[0-5]\d){0,2}|\d+(:[0-5]\d){0,2})$")
 _SIGNAL = re.compile(r"^(?P<flags>[RB]{1,2}:)?(?P<name>[A-Z0-9]+)(@(?P<seconds>\d+))?$")
@@ -57,6 +63,21 @@ TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default PET_SIG
 SLURM_DEFAULT_SIGNAL_SECONDS = 60
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 JOB_NAME_PREFIX = "nemo_ckpt."
+
+
+@dataclass(kw_only=True)
+class JobLog(SlurmJobDetails):
+    """One log file per job for all its (re)starts, which `nemo experiment logs` then shows whole."""
+
+    @property
+    def srun_stdout(self) -> Path:
+        assert self.folder, self.job_name
+        return Path(self.folder) / f"log-{self.job_name}_%j.out"
+
+    @property
+    def srun_stderr(self) -> Path:
+        assert self.folder, self.job_name
+        return Path(self.folder) / f"log-{self.job_name}_%j.err"
 
 
 def slurm_executor(
@@ -113,7 +134,8 @@ def slurm_executor(
         signal=signal,
         retries=retries,
         additional_parameters=additional_parameters,
-        srun_args=["--label"] if nodes > 1 else None,
+        srun_args=["--open-mode=append", *(["--label"] if nodes > 1 else [])],
+        job_details=JobLog(),
         tunnel=tunnel,
         packager=packager or run.Packager(),
         launcher="torchrun",
@@ -269,10 +291,10 @@ def check_job(task: run.Partial | run.Script, executor: run.SlurmExecutor, timeo
 
 def check_layout(task: run.Partial | run.Script, executor: run.SlurmExecutor) -> None:
     """The recipe's Trainer fits the executor's job: `trainer.num_nodes == nodes`, `trainer.devices ==
-    ntasks_per_node`, and its strategy's parallel sizes divide the world size (Megatron-Core's rules: TP x PP x CP
-    and ETP x EP x PP divide it). A task without a Trainer (a script) passes. Raises `ValueError` naming the
-    settings and both ways to fix them. Also: the data's global batch is a multiple of micro batch x data-parallel
-    size."""
+    ntasks_per_node`, and its strategy's parallel sizes fit the world size (`ParallelDims`, the strategy's own
+    rules: TP x PP x CP divides it, EP divides DP x CP). A task without a Trainer (a script) passes. Raises
+    `ValueError` naming the settings and both ways to fix them. Also: the data's global batch is a multiple of micro
+    batch x data-parallel size."""
     trainer = _argument(task, "trainer")
     if trainer is None:
         return
@@ -291,27 +313,18 @@ def check_layout(task: run.Partial | run.Script, executor: run.SlurmExecutor) ->
             f"trainer.devices={ranks} or run.executor.ntasks_per_node={devices}"
         )
     strategy = _argument(trainer, "strategy")
-    tp = pp = cp = 1
+    data_parallel = world
     if isinstance(strategy, run.Config):
-        sizes = {name: _argument(strategy, name, 1) or 1 for name in _PARALLEL_SIZES}
-        tp, pp, cp, ep = (sizes[name] for name in _PARALLEL_SIZES)
-        etp = _argument(strategy, "expert_tensor_parallel_size") or tp
-        where = f"the world size {world} (nodes={nodes} x ntasks_per_node={ranks})"
-        if world % (tp * pp * cp):
-            errors.append(
-                f"tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} x context_parallel_size={cp} "
-                f"= {tp * pp * cp} does not divide {where}: change the parallel sizes or the executor's nodes"
-            )
-        if ep > 1 and world % (etp * ep * pp):
-            errors.append(
-                f"expert_tensor_parallel_size={etp} x expert_model_parallel_size={ep} x pipeline_model_parallel_size="
-                f"{pp} = {etp * ep * pp} does not divide {where}: change the expert parallel sizes or the nodes"
-            )
+        sizes = {dim: _argument(strategy, option, 1) or 1 for dim, option in PARALLEL_SIZE_OPTIONS.items()}
+        try:
+            data_parallel = ParallelDims(world, **sizes).dp
+        except ValueError as error:
+            errors.append(f"{error} (world size = nodes={nodes} x ntasks_per_node={ranks})")
+            data_parallel = 0
     data = _argument(task, "data")
     global_batch, micro_batch = _argument(data, "global_batch_size"), _argument(data, "micro_batch_size")
-    data_parallel = world // (tp * pp * cp)
     batches_known = isinstance(global_batch, int) and isinstance(micro_batch, int) and data_parallel > 0
-    if batches_known and world % (tp * pp * cp) == 0 and global_batch % (micro_batch * data_parallel):
+    if batches_known and global_batch % (micro_batch * data_parallel):
         errors.append(
             f"data.global_batch_size={global_batch} is not a multiple of data.micro_batch_size={micro_batch} x "
             f"data-parallel size {data_parallel}: set data.global_batch_size to a multiple of "
@@ -347,14 +360,6 @@ def check_partition_nodes(executor: run.SlurmExecutor, timeout: float = 10) -> N
             f"partition {partition!r} has {nodes[partition]} node(s), the job asks for nodes={executor.nodes}: "
             "lower nodes or choose a partition with more (`sinfo` lists them)"
         )
-
-
-_PARALLEL_SIZES = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "context_parallel_size",
-    "expert_model_parallel_size",
-)
 
 
 def _argument(config: Any, name: str, default: Any = None) -> Any:

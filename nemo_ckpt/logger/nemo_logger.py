@@ -12,6 +12,7 @@
 (a run resumed there writes its CSV to a fresh `metrics_<k>/` in it, its TensorBoard events beside the old ones).
 """
 
+import logging
 import os
 import sys
 import time
@@ -29,8 +30,10 @@ from nemo_ckpt.logger.checkpoint_metrics import CheckpointMetrics
 from nemo_ckpt.logger.metrics import StepMetrics
 from nemo_ckpt.logger.progress import ProgressPrinter
 from nemo_ckpt.logger.run_config import write_run_config
-from nemo_ckpt.logger.text_log import TextLog, global_rank, quiet_console, verbose_requested
+from nemo_ckpt.logger.text_log import TextLog, global_rank, quiet_console, slurm_attempt_line, verbose_requested
 from nemo_ckpt.options import strict_options
+
+log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 DATETIME_VERSION = "%Y-%m-%d_%H-%M-%S"
@@ -125,6 +128,8 @@ class NeMoLogger:
         text_log = TextLog(self.run_dir, self.log_global_rank_0_only)
         if rank == 0:
             text_log.open()
+        if attempt := slurm_attempt_line():
+            log.warning(attempt)
         callbacks: list[pl.Callback] = [text_log]
         if self.progress:
             step_metrics = StepMetrics(self.peak_tflops_per_device)

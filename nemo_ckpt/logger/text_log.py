@@ -2,6 +2,7 @@
 
 import logging
 import os
+import socket
 import warnings
 from pathlib import Path
 
@@ -52,6 +53,16 @@ _QUIET = QuietConsole()
 def verbose_requested() -> bool:
     """Whether the environment asks for every notice: `LOGLEVEL=INFO` or `DEBUG` (torchrun's variable)."""
     return os.environ.get("LOGLEVEL", "").upper() in VERBOSE_LOGLEVELS
+
+
+def slurm_attempt_line() -> str | None:
+    """`Slurm job <id>: attempt <n> on <host>` for the first process of each node of a Slurm job, else None: it marks
+    where each attempt of a requeued job starts in the job's one log (`launch.slurm.JobLog`)."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id or int(os.environ.get("LOCAL_RANK", 0)) != 0:
+        return None
+    attempt = int(os.environ.get("SLURM_RESTART_COUNT", 0)) + 1
+    return f"Slurm job {job_id}: attempt {attempt} on {socket.gethostname()}"
 
 
 def launcher_env() -> dict[str, str]:

@@ -23,6 +23,15 @@ EXPERT_DATA_PARALLEL_DIM = "edp"
 EXPERT_PARALLEL_DIM = "ep"
 
 
+PARALLEL_SIZE_OPTIONS = {
+    "tp": "tensor_model_parallel_size",
+    "pp": "pipeline_model_parallel_size",
+    "cp": "context_parallel_size",
+    "ep": "expert_model_parallel_size",
+}
+"""`ParallelDims`' sizes and the `MegatronStrategy` options that set them."""
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """The sizes of each parallel dimension; `dp` is what the world size leaves after the others."""
@@ -34,13 +43,7 @@ class ParallelDims:
     ep: int = 1
 
     def __post_init__(self) -> None:
-        names = {
-            "tp": "tensor_model_parallel_size",
-            "pp": "pipeline_model_parallel_size",
-            "cp": "context_parallel_size",
-            "ep": "expert_model_parallel_size",
-        }
-        for dim, option in names.items():
+        for dim, option in PARALLEL_SIZE_OPTIONS.items():
             if getattr(self, dim) < 1:
                 raise ValueError(f"{option}={getattr(self, dim)} must be 1 or more")
         model_parallel = self.tp * self.pp * self.cp

@@ -54,21 +54,20 @@ def test_fitting_recipe_and_script_pass() -> None:
             recipe(tensor_model_parallel_size=3),
             2,
             2,
-            "tensor_model_parallel_size=3 x pipeline_model_parallel_size=1 x context_parallel_size=1 = 3 does not "
-            "divide the world size 4 \\(nodes=2 x ntasks_per_node=2\\)",
+            "tensor_model_parallel_size=3 x pipeline_model_parallel_size=1 x context_parallel_size=1 = 3 must divide "
+            "the world size 4; .* \\(world size = nodes=2 x ntasks_per_node=2\\)",
         ),
         (
             recipe(pipeline_model_parallel_size=2, context_parallel_size=3),
             2,
             2,
-            "pipeline_model_parallel_size=2 x context_parallel_size=3 = 6 does not divide the world size 4",
+            "pipeline_model_parallel_size=2 x context_parallel_size=3 = 6 must divide the world size 4",
         ),
         (
             recipe(expert_model_parallel_size=3),
             2,
             2,
-            "expert_tensor_parallel_size=1 x expert_model_parallel_size=3 x pipeline_model_parallel_size=1 = 3 does "
-            "not divide the world size 4",
+            "expert_model_parallel_size=3 must divide data_parallel_size x context_parallel_size = 4 x 1",
         ),
     ],
 )

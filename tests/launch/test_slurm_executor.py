@@ -84,7 +84,9 @@ def test_multi_node_gpu_container_job(tmp_path: Path) -> None:
     ) in srun
     assert "torchrun --rdzv-backend c10d --rdzv-endpoint $head_node_ip:29500" in srun
     assert "--nnodes 2 --nproc-per-node 4 --node-rank $SLURM_NODEID" in srun
-    assert "--kill-on-bad-exit=1 --label torchrun" in srun, "a failed rank ends the step; log lines name their node"
+    assert "--kill-on-bad-exit=1 --open-mode=append --label torchrun" in srun, (
+        "a failed rank ends the step; log lines name their node"
+    )
     assert srun.endswith("--no-python /nemo_run/scripts/job.sh")
 
 
@@ -111,6 +113,17 @@ def test_single_node_cpu_job_without_account_or_container(tmp_path: Path) -> Non
     assert "--rdzv-endpoint localhost:0" in srun and "--nnodes 1 --nproc-per-node 2 --node-rank 0" in srun
     assert "--label" not in srun
     assert srun.endswith(f"--no-python {job_dir}/scripts/job.sh")
+
+
+def test_every_attempt_of_a_job_writes_to_one_log(tmp_path: Path) -> None:
+    """NeMo-Run's default names a log per restart (`..._%j_${SLURM_RESTART_COUNT:-0}.out`) and `nemo experiment logs`
+    shows the first file it lists; one file opened for appending keeps every attempt where that command looks."""
+    script = sbatch_script(slurm_executor(retries=1, job_dir=str(tmp_path / "experiments")), tmp_path)
+
+    (job_dir,) = (tmp_path / "experiments" / "unit").glob("*/job")
+    srun = srun_line(script)
+    assert srun.startswith(f"srun --output {job_dir}/log-nemo_ckpt.job_%j.out ")
+    assert "--open-mode=append" in srun and "RESTART_COUNT" not in srun
 
 
 def test_sbatch_options_match_the_script(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 import io
 import logging
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from launch.local import local_executor
-from nemo_ckpt.logger.text_log import launcher_env, quiet_console, verbose_requested
+from nemo_ckpt.logger.text_log import launcher_env, quiet_console, slurm_attempt_line, verbose_requested
 
 
 @pytest.fixture
@@ -57,3 +58,16 @@ def test_warnings_still_reach_the_console_while_the_text_log_is_open(tmp_path):
     assert "Received SIGUSR1: saved step 3" in result.stderr
     [text_log] = tmp_path.glob("nemo_log_globalrank-0_*.txt")
     assert "Received SIGUSR1: saved step 3" in text_log.read_text()
+
+
+def test_first_process_of_each_node_marks_the_slurm_attempt(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert slurm_attempt_line() is None, "not a Slurm job"
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    assert slurm_attempt_line() == f"Slurm job 42: attempt 1 on {socket.gethostname()}"
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    assert slurm_attempt_line() == f"Slurm job 42: attempt 3 on {socket.gethostname()}"
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert slurm_attempt_line() is None, "one line per node"

@@ -9,6 +9,11 @@
 #                           with all config/state/logs/pids in DIR; waits until the nodes are
 #                           idle and prints `export SLURM_CONF=DIR/slurm.conf` on stdout
 #   cluster.sh stop DIR     stop the daemons started from DIR, by PID
+#   cluster.sh kill-node DIR I
+#                           kill node I outright, as a machine dies: SIGKILL its slurmd and every process in its
+#                           network namespace (slurmstepd, job steps); slurmctld marks it DOWN after SlurmdTimeout
+#   cluster.sh start-node DIR I
+#                           start node I's slurmd again and wait until the node takes jobs (idle or allocated)
 #
 # NODES=1 (default): one node `localhost` on 127.0.0.1. NODES>1 (needs root): nodes node0 .. node<N-1>,
 # each a slurmd in its own network namespace with its own address and hostname (netns.sh: bridge
@@ -19,6 +24,9 @@
 # eval the line `start` prints. No systemd. Accounting is on and enforced: root's jobs run
 # under account `nemo_ckpt` (its default), `other` or `root`; any other account is rejected.
 # Requeued jobs start again after ~6 s (cred_expire=5, scheduling every second), not 2 minutes.
+# A dead node is DOWN 25-40 s after it dies, not 5 minutes (SlurmdTimeout=20 since its last answer, checked at
+# each ping round, which takes MessageTimeout=10 s when a node does not answer); its batch jobs are then
+# requeued. It is back in service as soon as its slurmd registers again (ReturnToService=2).
 # Ports are picked free at first start, so several clusters can live side by side.
 set -euo pipefail
 export PATH="$PATH:/usr/sbin:/sbin"
@@ -116,6 +124,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 ReturnToService=2
+SlurmdTimeout=20
 EnforcePartLimits=ALL
 MinJobAge=600
 KillWait=10
@@ -228,10 +237,51 @@ start_slurmd() {
             || die "slurmd failed: $(tail -n 20 "$dir/log/slurmd.localhost.log")"
         return 0
     fi
-    for i in $(seq 0 $((nodes - 1))); do
-        bash "$NETNS_SH" exec "$dir" "$i" slurmd -N "node$i" -f "$SLURM_CONF" </dev/null \
-            >>"$dir/log/slurmd.node$i.log" 2>&1 || die "slurmd node$i failed: $(tail -n 20 "$dir/log/slurmd.node$i.log")"
+    for i in $(seq 0 $((nodes - 1))); do start_node_slurmd "$dir" "$i"; done
+}
+
+start_node_slurmd() {
+    local dir=$1 i=$2
+    bash "$NETNS_SH" exec "$dir" "$i" slurmd -N "node$i" -f "$SLURM_CONF" </dev/null \
+        >>"$dir/log/slurmd.node$i.log" 2>&1 || die "slurmd node$i failed: $(tail -n 20 "$dir/log/slurmd.node$i.log")"
+}
+
+# Node I's namespace (multi-node clusters only).
+node_netns() {
+    local dir=$1 i=$2
+    [[ -s $dir/net && -s $dir/slurm.conf ]] && grep -q "^NodeName=node$i " "$dir/slurm.conf" \
+        || die "no node$i in a multi-node cluster in $dir"
+    echo "nckpt$(cat "$dir/net")n$i"
+}
+
+kill_node() {
+    local dir ns pids=()
+    dir=$(realpath -m "$1")
+    ns=$(node_netns "$dir" "$2")
+    # slurmd first, so it forks no new slurmstepd; then whatever runs in the namespace, until nothing does.
+    pid_alive "$dir/slurmd.node$2.pid" && { kill -KILL "$(cat "$dir/slurmd.node$2.pid")" || true; }
+    rm -f "$dir/slurmd.node$2.pid"
+    for _ in $(seq 100); do
+        mapfile -t pids < <(ip netns pids "$ns")
+        [[ ${#pids[@]} -eq 0 ]] && { echo "killed node$2"; return 0; }
+        kill -KILL "${pids[@]}" 2>/dev/null || true
+        sleep 0.1
     done
+    die "node$2: processes still running in $ns: ${pids[*]}"
+}
+
+start_node() {
+    local dir state="" ns
+    dir=$(realpath -m "$1")
+    ns=$(node_netns "$dir" "$2")
+    export SLURM_CONF=$dir/slurm.conf
+    pid_alive "$dir/slurmd.node$2.pid" || start_node_slurmd "$dir" "$2"
+    for _ in $(seq "$START_TIMEOUT"); do
+        state=$(sinfo --noheader --nodes="node$2" --format=%t 2>/dev/null || true)
+        [[ $state =~ ^(idle|mix|alloc)$ ]] && { echo "node$2 is up ($state)"; return 0; }
+        sleep 1
+    done
+    die "node$2 ($ns) not up after ${START_TIMEOUT}s (state '$state'): $(tail -n 20 "$dir/log/slurmd.node$2.log")"
 }
 
 start() {
@@ -299,5 +349,7 @@ case "${1:-}" in
     install) install_slurm ;;
     start) [[ $# -eq 2 || $# -eq 3 ]] || die "usage: cluster.sh start DIR [NODES]"; start "$2" "${3:-1}" ;;
     stop) [[ $# -eq 2 ]] || die "usage: cluster.sh stop DIR"; stop "$2" ;;
-    *) die "usage: cluster.sh install | start DIR [NODES] | stop DIR" ;;
+    kill-node) [[ $# -eq 3 ]] || die "usage: cluster.sh kill-node DIR I"; kill_node "$2" "$3" ;;
+    start-node) [[ $# -eq 3 ]] || die "usage: cluster.sh start-node DIR I"; start_node "$2" "$3" ;;
+    *) die "usage: cluster.sh install | start DIR [NODES] | stop DIR | kill-node DIR I | start-node DIR I" ;;
 esac

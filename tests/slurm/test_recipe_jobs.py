@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 import subprocess
 import sys
 import time
@@ -14,9 +15,8 @@ from launch.slurm import slurm_executor
 from nemo_ckpt.logger.runs import version_dirs
 from recipes import pretrain_recipe
 from tests.slurm.cluster import SlurmCluster
+from tests.slurm.jobs import attempts, job_log, nemo
 
-REPO = Path(__file__).resolve().parents[2]
-NEMO = str(Path(sys.executable).with_name("nemo"))
 JOB_PATH = f"{Path(sys.executable).parent}:$PATH"  # torchrun and python of this venv
 
 
@@ -36,10 +36,6 @@ def submit(recipe: run.Partial, **executor_args) -> tuple[str, str, Path]:
         return exp._id, exp.jobs[0].handle.rsplit("/", 1)[-1], Path(exp.jobs[0].executor.job_dir)
 
 
-def job_log(job_dir: Path, job_id: str, restart: int = 0) -> str:
-    return (job_dir / f"log-nemo_ckpt.pretrain_{job_id}_{restart}.out").read_text()
-
-
 def manifest(log_dir: Path) -> dict:
     return json.loads((log_dir / "tiny" / "checkpoints" / "checkpoints.json").read_text())
 
@@ -53,14 +49,6 @@ def logged_steps(log_dir: Path) -> list[int]:
     """Training steps in the CSV metrics of the latest run (NeMoLogger version)."""
     with open(version_dirs(log_dir / "tiny")[-1] / "metrics.csv") as handle:
         return [int(row["step"]) for row in csv.DictReader(handle) if row["reduced_train_loss"]]
-
-
-def nemo(*args: str) -> str:
-    result = subprocess.run(
-        [NEMO, *args], check=False, cwd=REPO, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout + result.stderr
 
 
 def test_recipe_trains_checkpoints_and_resumes(slurm_cluster: SlurmCluster, nemorun_home: Path, tmp_path: Path) -> None:
@@ -118,7 +106,7 @@ def test_command_line_submits_to_slurm_and_waits(
     )
 
     [job_dir] = (nemorun_home / "experiments").glob("pretrain/pretrain_*/pretrain")
-    [log_file] = job_dir.glob("log-nemo_ckpt.pretrain_*_0.out")
+    [log_file] = job_dir.glob("log-nemo_ckpt.pretrain_*.out")
     assert "SUCCEEDED" in output, output
     assert "`Trainer.fit` stopped: `max_steps=6` reached." in log_file.read_text()
     assert [record["step"] for record in manifest(log_dir)["checkpoints"]][-1] == 6
@@ -130,7 +118,7 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(
 ) -> None:
     log_dir = tmp_path / "runs"
     max_steps = 150
-    _, job_id, job_dir = submit(tiny(log_dir, max_steps=max_steps, every_n_train_steps=10), signal="USR1@60")
+    exp_id, job_id, job_dir = submit(tiny(log_dir, max_steps=max_steps, every_n_train_steps=10), signal="USR1@60")
     deadline = time.monotonic() + 120
     while not (log_dir / "tiny" / "checkpoints" / "checkpoints.json").exists() or not manifest(log_dir)["checkpoints"]:
         assert time.monotonic() < deadline, f"no checkpoint yet: {slurm_cluster.job(job_id)}"
@@ -139,9 +127,10 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(
     subprocess.run(["scancel", "--signal=USR1", job_id], check=True)  # what Slurm sends before the time limit
     info = slurm_cluster.wait(job_id, timeout=240)
 
-    first, second = job_log(job_dir, job_id, restart=0), job_log(job_dir, job_id, restart=1)
-    assert info["JobState"] == "COMPLETED", second
+    log = job_log(job_dir, job_id)
+    assert info["JobState"] == "COMPLETED", log
     assert info["Restarts"] == "1"
+    first, second = attempts(log, job_id)
     [saved] = [line for line in first.splitlines() if "Received SIGUSR1: saved" in line]
     step = int(saved.rsplit(" at step ", 1)[1].split(";")[0])
     assert 10 <= step < max_steps - 10, "the signal arrived mid-training"
@@ -152,6 +141,10 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(
     steps = [record["step"] for record in manifest(log_dir)["checkpoints"]]
     assert step in steps and steps[-1] == max_steps
     assert f"`Trainer.fit` stopped: `max_steps={max_steps}` reached." in second
+    shown = nemo("experiment", "logs", exp_id, "0")  # NeMo-Run's own view of the job: both attempts
+    assert re.findall(rf"Slurm job {job_id}: attempt (\d+)", shown) == ["1", "2"]
+    assert f"Requeueing Slurm job {job_id} to resume from step {step}" in shown
+    assert f"`Trainer.fit` stopped: `max_steps={max_steps}` reached." in shown
 
 
 @pytest.mark.parametrize("account", ["nemo_ckpt", "other"])

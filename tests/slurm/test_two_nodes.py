@@ -1,6 +1,7 @@
 """The tiny recipe on a real two-node Slurm cluster (node0, node1: two slurmds, each in its own network namespace):
 torchrun's multi-node rendezvous, resume on 2 and on 1 node with bit-identical weights, a hung rank failing the job
-within the process-group timeout and the retry resuming, USR1 preemption across both nodes."""
+within the process-group timeout and the retry resuming, a node killed outright and the requeue resuming once it is
+back, USR1 preemption across both nodes."""
 
 import json
 import os
@@ -20,7 +21,8 @@ import torch
 from launch.slurm import check_job, check_partition_nodes, slurm_executor
 from nemo_ckpt import dist_checkpointing
 from recipes import pretrain_recipe
-from tests.slurm.cluster import SlurmCluster
+from tests.slurm.cluster import SlurmCluster, cluster_sh
+from tests.slurm.jobs import attempts, job_log, nemo
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_ENV = {"PATH": f"{Path(sys.executable).parent}:$PATH", "PYTHONPATH": str(REPO)}  # this venv, this checkout
@@ -53,10 +55,6 @@ def submit(recipe: run.Partial, nodes: int, **executor_args) -> tuple[str, Path]
         exp.add(recipe, name="pretrain")
         exp.run(detach=True)
         return exp.jobs[0].handle.rsplit("/", 1)[-1], Path(exp.jobs[0].executor.job_dir)
-
-
-def job_log(job_dir: Path, job_id: str, restart: int = 0) -> str:
-    return (job_dir / f"log-nemo_ckpt.pretrain_{job_id}_{restart}.out").read_text()
 
 
 def manifest(log_dir: Path) -> list[dict]:
@@ -137,8 +135,9 @@ def test_partition_node_count_is_checked_before_submitting(two_node_cluster: Slu
 def test_resume_on_two_and_on_one_node_is_bit_identical(
     two_node_cluster: SlurmCluster, nemorun_home: Path, tmp_path: Path
 ) -> None:
-    """2 nodes x 1 rank train 4 of 8 steps; one job resumes them on 2 nodes, another on 1 node x 2 ranks; both end
-    with the weights of 8 steps on 1 node (all with global batch 8, the same LR schedule)."""
+    """2 nodes x 1 rank train 4 of 8 steps; one job resumes them on 2 nodes (submitted by `nemo ... run.executor=slurm
+    run.executor.nodes=2 --yes`), another on 1 node x 2 ranks; both end with the weights of 8 steps on 1 node (all
+    with global batch 8, the same LR schedule)."""
     two, one, reference = tmp_path / "two", tmp_path / "one", tmp_path / "reference"
     first_id, first_dir = submit(tiny(two, nodes=2, max_steps=4, every=4, decay_steps=8), nodes=2)
     reference_id, _ = submit(tiny(reference, nodes=1, max_steps=8, every=8), nodes=1)
@@ -152,13 +151,35 @@ def test_resume_on_two_and_on_one_node_is_bit_identical(
     assert {name.split("_")[2] for name in shards} == {"0", "1"}, f"both nodes' ranks write shards: {shards}"
     shutil.copytree(two, one, symlinks=True)  # `-last` is a relative symlink
 
-    resume_two_id, resume_two_dir = submit(tiny(two, nodes=2, max_steps=8, every=8, decay_steps=8), nodes=2)
     resume_one_id, resume_one_dir = submit(tiny(one, nodes=1, max_steps=8, every=8, decay_steps=8), nodes=1)
-    for job_id, job_dir, log_dir in ((resume_two_id, resume_two_dir, two), (resume_one_id, resume_one_dir, one)):
-        info = two_node_cluster.wait(job_id, timeout=240)
-        log = job_log(job_dir, job_id)
-        assert info["JobState"] == "COMPLETED", log
-        assert f"Restoring states from the checkpoint path at {checkpoint_of(log_dir, 4)}" in log
+    output = nemo(  # the same resumption on 2 nodes from the command line, which submits, then waits for the job
+        "nemo_ckpt",
+        "pretrain",
+        "--factory",
+        "tiny",
+        f"log.log_dir={two}",
+        "log.ckpt.every_n_train_steps=8",
+        "log.ckpt.save_top_k=-1",
+        "trainer.num_nodes=2",
+        "trainer.devices=1",
+        "trainer.max_steps=8",
+        "optim.lr_decay_steps=8",
+        "run.executor=slurm",
+        "run.executor.nodes=2",
+        "run.executor.ntasks_per_node=1",
+        "run.executor.time=00:10:00",
+        f"run.executor.env_vars={JOB_ENV!r}",
+        "--yes",
+    )
+    assert "SUCCEEDED" in output, output
+    [cli_log] = (nemorun_home / "experiments").glob("pretrain/pretrain_*/pretrain/log-nemo_ckpt.pretrain_*.out")
+    log = cli_log.read_text()
+    assert {line.split(": ", 1)[0] for line in log.splitlines() if ": " in line} >= {"0", "1"}, "both nodes"
+    assert f"Restoring states from the checkpoint path at {checkpoint_of(two, 4)}" in log
+    info = two_node_cluster.wait(resume_one_id, timeout=240)
+    log = job_log(resume_one_dir, resume_one_id)
+    assert info["JobState"] == "COMPLETED", log
+    assert f"Restoring states from the checkpoint path at {checkpoint_of(one, 4)}" in log
     assert two_node_cluster.wait(reference_id, timeout=240)["JobState"] == "COMPLETED"
 
     expected = weights(reference, 8)
@@ -192,8 +213,9 @@ def test_hung_rank_fails_the_job_within_the_timeout_and_the_retry_resumes(
     info = two_node_cluster.wait(job_id, timeout=300)
 
     restarts = int(info["Restarts"])
-    first, second = job_log(job_dir, job_id, restart=0), job_log(job_dir, job_id, restart=restarts)
-    assert info["JobState"] == "COMPLETED" and restarts in (1, 2), second
+    log = job_log(job_dir, job_id)
+    assert info["JobState"] == "COMPLETED" and restarts in (1, 2), log
+    first, *_, second = attempts(log, job_id)
     assert "Timed out waiting 60000ms" in first, first[-3000:]
     resumed = int(re.search(r"Restoring states from the checkpoint path at \S+step=(\d+)", second)[1])
     assert resumed >= saved
@@ -215,8 +237,9 @@ def test_preemption_signal_reaches_both_nodes_checkpoints_requeues_and_resumes(
     subprocess.run(["scancel", "--signal=USR1", job_id], check=True)  # torchrun and workers on node0 and node1
     info = two_node_cluster.wait(job_id, timeout=300)
 
-    first, second = job_log(job_dir, job_id, restart=0), job_log(job_dir, job_id, restart=1)
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", second
+    log = job_log(job_dir, job_id)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
+    first, second = attempts(log, job_id)
     [saved] = [line for line in first.splitlines() if "Received SIGUSR1: saved" in line]
     step = int(saved.rsplit(" at step ", 1)[1].split(";")[0])
     assert 10 <= step < max_steps - 10, "the signal arrived mid-training"
@@ -225,5 +248,57 @@ def test_preemption_signal_reaches_both_nodes_checkpoints_requeues_and_resumes(
     assert {name.split("_")[2] for name in shards} == {"0", "1"}, f"both nodes' ranks write shards: {shards}"
     assert f"Restoring states from the checkpoint path at {checkpoint_of(log_dir, step)}" in second
     assert f"`Trainer.fit` stopped: `max_steps={max_steps}` reached." in second
-    for log in (first, second):
-        assert {line.split(": ", 1)[0] for line in log.splitlines() if ": " in line} >= {"0", "1"}, "both nodes"
+    for attempt in (first, second):
+        assert {line.split(": ", 1)[0] for line in attempt.splitlines() if ": " in line} >= {"0", "1"}, "both nodes"
+    shown = nemo("experiment", "logs", "tiny", "0")  # NeMo-Run's own view of the job: both attempts, both nodes
+    assert sorted(re.findall(rf"\b(\d): [^\n]*?Slurm job {job_id}: attempt (\d+)", shown)) == [
+        ("0", "1"),
+        ("0", "2"),
+        ("1", "1"),
+        ("1", "2"),
+    ]
+
+
+def test_killed_node_fails_the_job_and_the_requeue_resumes_when_it_is_back(
+    two_node_cluster: SlurmCluster, nemorun_home: Path, tmp_path: Path
+) -> None:
+    """node1 killed outright (`cluster.sh kill-node`: its slurmd, slurmstepd, torchrun and rank): node0's rank fails in
+    its next collective (node1's sockets are reset; without a reset, after the process-group timeout T), and whatever
+    node0 does, slurmctld marks node1 DOWN and requeues the job (NeMo-Run submits with `--requeue`; `retries` would
+    requeue it if srun gave up first). The job waits for node1, then resumes from the last complete checkpoint.
+
+    The first attempt ends within 60 s of the kill (= T): node1 is DOWN 25-40 s after it (cluster.sh: SlurmdTimeout=20
+    plus a ping round of MessageTimeout=10; measured 34-37 s), with slack for the loaded machine. `retries=2` as in
+    the hung-rank test."""
+    timeout_s, max_steps, every = 60, 20, 5
+    log_dir = tmp_path / "runs"
+    recipe = tiny(log_dir, nodes=2, max_steps=max_steps, every=every)
+    recipe.trainer.strategy.timeout = run.Config(timedelta, seconds=timeout_s)
+    job_id, job_dir = submit(recipe, nodes=2, retries=2)
+    saved = wait_for_checkpoint(two_node_cluster, job_id, log_dir)
+
+    killed = time.monotonic()
+    try:
+        kill = cluster_sh("kill-node", str(two_node_cluster.dir), "1", timeout=60)
+        assert kill.returncode == 0, kill.stderr
+        while two_node_cluster.job(job_id)["Restarts"] == "0":
+            assert time.monotonic() - killed < timeout_s, f"still running: {two_node_cluster.job(job_id)}"
+            time.sleep(0.2)
+    finally:
+        start = cluster_sh("start-node", str(two_node_cluster.dir), "1", timeout=120)
+    assert start.returncode == 0, start.stderr
+    info = two_node_cluster.wait(job_id, timeout=300)
+
+    log = job_log(job_dir, job_id)
+    assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) in (1, 2), log
+    first, *_, second = attempts(log, job_id)
+    assert "gloo/transport/tcp" in first, f"node0's rank fails on the lost connection: {first[-3000:]}"
+    assert f"`max_steps={max_steps}` reached" not in first, "node1 was killed mid-training"
+    resumed = int(re.search(r"Restoring states from the checkpoint path at \S+step=(\d+)", second)[1])
+    assert resumed >= saved
+    assert f"`Trainer.fit` stopped: `max_steps={max_steps}` reached." in second
+    records = manifest(log_dir)
+    assert {record["state"] for record in records} == {"complete"}
+    assert {record["step"] for record in records} == set(range(every, max_steps + 1, every)), "no checkpoint lost"
+    for record in records:
+        assert weights(log_dir, record["step"]), f"step {record['step']}: readable"

@@ -1,0 +1,35 @@
+"""The logs of the tests' NeMo-Run Slurm jobs, and the `nemo` command that shows them."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+NEMO = str(Path(sys.executable).with_name("nemo"))
+
+
+def job_log(job_dir: Path, job_id: str, task: str = "pretrain") -> str:
+    """A job's one log (`launch.slurm.JobLog`), every attempt in it."""
+    return (job_dir / f"log-nemo_ckpt.{task}_{job_id}.out").read_text()
+
+
+def attempts(log: str, job_id: str) -> list[str]:
+    """`log` cut at each attempt's first `Slurm job <id>: attempt <n>` line (n = 1, 2, ...); what comes before the
+    first one (torchrun's start) belongs to attempt 1."""
+    starts: dict[int, int] = {}
+    for match in re.finditer(rf"^.*Slurm job {job_id}: attempt (\d+) on ", log, re.MULTILINE):
+        starts.setdefault(int(match[1]), match.start())
+    assert sorted(starts) == list(range(1, len(starts) + 1)), f"attempts {sorted(starts)} in the log"
+    bounds = [0, *sorted(starts.values())[1:], len(log)]
+    return [log[begin:end] for begin, end in zip(bounds, bounds[1:])]
+
+
+def nemo(*args: str) -> str:
+    """Run the `nemo` command line (NeMo-Run's, with this package's entry point); its output, which must be a
+    success."""
+    result = subprocess.run(
+        [NEMO, *args], check=False, cwd=REPO, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout + result.stderr
