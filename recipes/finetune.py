@@ -13,7 +13,7 @@ import nemo_run as run
 from nemo_ckpt.api import finetune
 from nemo_ckpt.checkpoint import AutoResume, ModelCheckpoint
 from nemo_ckpt.checkpoint.resume import RestoreConfig
-from nemo_ckpt.data.sft import FineTuningDataModule
+from nemo_ckpt.data.sft import FineTuningDataModule, PackedSequenceSpecs
 from nemo_ckpt.logger import NeMoLogger
 from nemo_ckpt.models import GPTModel, gpt_config
 from nemo_ckpt.models.gpt.convert.hf import checkpoint_gpt_config
@@ -38,9 +38,11 @@ def finetune_recipe(
     micro_batch_size: int = 4,
     global_batch_size: int | None = None,
     seq_length: int | None = None,
+    packed_sequence: bool = False,
 ) -> run.Partial:
     """Fine-tune the checkpoint `restore_path` on the JSONL records in `dataset_root` (`training.jsonl`, optional
-    `validation.jsonl`), with LoRA adapters (`peft_scheme="lora"`) or all weights (`"none"`).
+    `validation.jsonl`), with LoRA adapters (`peft_scheme="lora"`) or all weights (`"none"`). `packed_sequence`:
+    several samples per row of `seq_length` tokens (`PackedSequenceSpecs`), as NeMo's recipes name it.
 
     The model config comes from `restore_path` when it stores one, else from the `model_size` preset.
     """
@@ -66,6 +68,7 @@ def finetune_recipe(
             seq_length=seq_length or min(model.seq_length, 2048),
             micro_batch_size=micro_batch_size,
             global_batch_size=global_batch_size or micro_batch_size * data_parallel_size,
+            packed_sequence_specs=run.Config(PackedSequenceSpecs) if packed_sequence else None,
         ),
         trainer=trainer(num_nodes, num_gpus_per_node, max_steps),
         log=run.Config(

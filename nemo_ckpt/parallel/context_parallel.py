@@ -16,6 +16,10 @@ values, with an exact (log-sum-exp) merge of per-chunk partial results:
 Per chunk pair the causal mask is either the diagonal one (own chunks), the first key chunk for all queries
 (keys from a lower rank) or all keys for the second query chunk (keys from a higher rank); nothing is computed
 for the skipped quarters. Grouped-query attention is native (K/V travel with their `num_query_groups` heads).
+The arithmetic is fp32 whatever the inputs' dtype or autocast (outputs and gradients in the inputs' dtype).
+
+Under pipeline parallelism the micro-batches carry split sequences; each stage's attention runs the ring over the
+cp ranks of its stage, and `GlobalPositions` gives each stage the global RoPE positions the schedule cannot pass.
 
 torch's `torch.distributed.tensor.experimental.context_parallel` does not run here: on CPU it raises
 "Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy registered"
@@ -23,14 +27,18 @@ torch's `torch.distributed.tensor.experimental.context_parallel` does not run he
 `torch.distributed` point-to-point operations (gloo on CPU, NCCL on GPU).
 """
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 from torch.profiler import record_function
 
 CP_COMM_TYPES = ("p2p", "all_gather")
@@ -126,6 +134,32 @@ class ContextParallel:
         return _RingAttention.apply(q, k, v, self, causal)
 
 
+class GlobalPositions:
+    """A forward pre-hook (`register_forward_pre_hook(..., with_kwargs=True)`) passing `position_ids`, the global
+    positions of this cp rank's chunks, to a module called without them: a pipeline stage, which the schedule
+    calls with its input alone. `local_length(module, input)`: the length of this cp rank's part of the sequence
+    (before any further split of the input, e.g. by sequence parallelism)."""
+
+    def __init__(self, cp: ContextParallel, local_length: Callable[[nn.Module, torch.Tensor], int]) -> None:
+        self.cp, self.local_length = cp, local_length
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        if kwargs.get("position_ids") is not None:
+            return args, kwargs
+        length = self.local_length(module, args[0]) * self.cp.size
+        positions = load_balanced_positions(length, self.cp.size, self.cp.rank, args[0].device)
+        return args, {**kwargs, "position_ids": positions}
+
+
+def token_mean(losses: torch.Tensor, loss_mask: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """The mean of per-token `losses` over the unmasked tokens of the whole sequences split over `group`: sums
+    and counts all-reduced (differentiably: each rank's gradient is scaled by the group size, which the gradient
+    average over dp x cp divides out again, as Megatron's `loss * cp_size`)."""
+    totals = torch.stack([(losses * loss_mask).sum(), loss_mask.sum()])
+    totals = differentiable_all_reduce(totals, group=group)
+    return totals[0] / totals[1].clamp(min=1.0)
+
+
 # --- one chunk pair ------------------------------------------------------------------------------------------
 
 
@@ -210,8 +244,21 @@ def _sources(cp: ContextParallel) -> list[int]:
 # --- the autograd function -----------------------------------------------------------------------------------
 
 
+def _without_autocast(method: Callable) -> Callable:
+    """Run an autograd function's forward or backward with autocast off: the ring computes in fp32 (inputs
+    upcast, results cast back) under bf16 autocast too, and forward and backward do the same arithmetic."""
+
+    @functools.wraps(method)
+    def run(ctx: Any, tensor: torch.Tensor, *args: Any) -> Any:
+        with torch.autocast(tensor.device.type, enabled=False):
+            return method(ctx, tensor, *args)
+
+    return run
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
+    @_without_autocast
     def forward(ctx, q, k, v, cp: ContextParallel, causal: bool):
         batch, heads, seq, dim = q.shape
         groups = k.shape[1]
@@ -239,6 +286,7 @@ class _RingAttention(torch.autograd.Function):
         return out.view(batch, heads, seq, dim).to(q.dtype)
 
     @staticmethod
+    @_without_autocast
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         cp: ContextParallel = ctx.cp

@@ -219,9 +219,7 @@ class PipelineRunner:
         return loss
 
 
-def check_pipeline_options(
-    config: PipelineConfig, ddp_config: DistributedDataParallelConfig, context_parallel_size: int
-) -> None:
+def check_pipeline_options(config: PipelineConfig, ddp_config: DistributedDataParallelConfig) -> None:
     """Configuration-time errors for pipeline parallelism combined with what it does not support yet."""
     if not config.enabled:
         return
@@ -230,11 +228,6 @@ def check_pipeline_options(
         raise ValueError(
             f"MegatronStrategy(pipeline_model_parallel_size={pp}) with data_parallel_sharding_strategy='optim' "
             "(ZeRO-1) is not supported yet; use 'no_shard', 'optim_grads' or 'optim_grads_params'"
-        )
-    if context_parallel_size > 1:
-        raise ValueError(
-            f"MegatronStrategy: pipeline_model_parallel_size={pp} with context_parallel_size={context_parallel_size} "
-            "is not supported yet; use one of them"
         )
 
 

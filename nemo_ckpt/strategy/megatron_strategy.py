@@ -266,7 +266,7 @@ class MegatronStrategy(DDPStrategy):
             pipeline_dtype,
             pipeline_schedule,
         )
-        check_pipeline_options(self.pipeline_config, self.ddp_config, context_parallel_size)
+        check_pipeline_options(self.pipeline_config, self.ddp_config)
         self.cp_comm_type = check_context_parallel_options(context_parallel_size, cp_comm_type)
         self.context_parallel_size = context_parallel_size
         self._pipeline: PipelineRunner | None = None
@@ -472,6 +472,9 @@ class MegatronStrategy(DDPStrategy):
             )
         config, dp_mesh = self.ddp_config, self.data_context_parallel_mesh
         stages = model.split_pipeline(self.pipeline_parallel_mesh, self.pipeline_config.virtual_size)
+        if self.context_parallel_size > 1:  # after the split: the stages' attention runs as a ring over cp
+            sequence_shards = self.tensor_model_parallel_size if self.sequence_parallel else 1
+            apply_context_parallel(model, self.context_parallel_mesh, dp_mesh, self.cp_comm_type, sequence_shards)
         if self.tensor_model_parallel_size > 1:
             apply_tensor_parallel(model, self.tensor_parallel_mesh, self.sequence_parallel, self.root_device)
         if config.shards_parameters:

@@ -98,6 +98,9 @@ def _compare_with_full_attention(rank: int, world_size: int) -> tuple[dict[tuple
         out = ContextParallel(group).attention(*(t[:, :, positions] for t in (q, k, v)))
         assert out.dtype == torch.bfloat16
         excess["bf16"] = _excess_over_tolerance(out.float(), expected[:, :, positions], tolerance=1e-2)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16-mixed training: the ring still computes in fp32
+            autocast_out = ContextParallel(group).attention(*(t[:, :, positions] for t in (q, k, v)))
+        excess["bf16_autocast"] = (autocast_out.float() - out.float()).abs().max().item()  # 0: bit-identical
         excess["loss"] = _split_loss_excess(rank, init_device_mesh("cpu", (2,)))
     return excess, _overlap_trace(rank, group) if world_size == 2 else None
 
@@ -155,10 +158,12 @@ def _overlap_trace(rank: int, group: dist.ProcessGroup) -> dict:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_context_parallel_attention_equals_full_attention(world_size):
     """Output and gradients within 1e-6 of full attention: C = 2 and 4, causal and not, GQA and not, both
-    comm types; bf16; and (C = 2) the GPT's loss and gradients on a split sequence equal the whole sequence's."""
+    comm types; bf16 (bit-identical under autocast); and (C = 2) the GPT's loss and gradients on a split sequence
+    equal the whole sequence's."""
     results = run_distributed(_compare_with_full_attention, world_size)
     for rank_excess, _ in results:
-        assert rank_excess.keys() - {"bf16", "loss"} == {tuple(case) for case in ATTENTION_CASES[world_size]}
+        special = {"bf16", "bf16_autocast", "loss"}
+        assert rank_excess.keys() - special == {tuple(case) for case in ATTENTION_CASES[world_size]}
         assert max(rank_excess.values()) <= 0, rank_excess
     if world_size == 2:
         _assert_exchange_overlaps_attention(results[0][1])

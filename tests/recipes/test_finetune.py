@@ -36,7 +36,13 @@ def imported(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def run_finetune(
-    directory: Path, imported, peft_scheme: str, max_steps: int, stop_at: int | None = None, lr: float = 1e-2
+    directory: Path,
+    imported,
+    peft_scheme: str,
+    max_steps: int,
+    stop_at: int | None = None,
+    lr: float = 1e-2,
+    packed_sequence: bool = False,
 ) -> list[float]:
     base, data = imported
     recipe = finetune_recipe(
@@ -49,6 +55,7 @@ def run_finetune(
         max_steps=max_steps,
         micro_batch_size=4,
         seq_length=SEQ_LENGTH,
+        packed_sequence=packed_sequence,
     )
     recipe.trainer.accelerator = "cpu"
     recipe.trainer.callbacks = [run.Config(RecordLoss), run.Config(StopAndSave, stop_at=stop_at, path=None)]
@@ -92,6 +99,13 @@ def test_full_finetune_starts_from_the_import_and_learns(tmp_path, imported):
         expected = load_model(checkpoints(tmp_path)[6])(tokens)
         actual = transformers.AutoModelForCausalLM.from_pretrained(exported)(tokens).logits
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
+
+
+def test_packed_sequence_finetune_learns(tmp_path, imported):
+    recipe = finetune_recipe(restore_path=str(imported[0]), dataset_root=str(imported[1]), packed_sequence=True)
+    assert fdl.build(recipe.data).packed_sequence_specs.packed_sequence_size == -1  # rows of seq_length tokens
+    losses = run_finetune(tmp_path, imported, "none", max_steps=6, packed_sequence=True)
+    assert sum(losses[-2:]) / 2 < losses[0] - 1.0
 
 
 def test_lora_resumes_bit_identically_and_merges_and_exports(tmp_path, imported):

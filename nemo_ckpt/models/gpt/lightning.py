@@ -7,7 +7,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 
 from nemo_ckpt.checkpoint.context import IOMixin
 from nemo_ckpt.models.gpt.model import GPT, Attention, GPTConfig
@@ -21,7 +20,7 @@ from nemo_ckpt.models.gpt.pipeline import (
     tied_output_copy,
 )
 from nemo_ckpt.optim import OptimizerConfig, clip_grad_norm
-from nemo_ckpt.parallel.context_parallel import ContextParallel, validate_sequence_length
+from nemo_ckpt.parallel.context_parallel import ContextParallel, GlobalPositions, token_mean, validate_sequence_length
 from nemo_ckpt.parallel.expert_parallel import clip_grad_norm_expert_parallel
 from nemo_ckpt.parallel.pipeline import clip_grad_norm_pipeline
 
@@ -79,11 +78,19 @@ class GPTModel(IOMixin, pl.LightningModule):
 
     def pipeline_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch as the pipeline's first-stage input and the last stage's loss target."""
+        if "segment_ids" in batch:
+            raise ValueError(
+                "packed sequences (batches with segment_ids) are not supported with pipeline parallelism: use "
+                "pipeline_model_parallel_size=1, or FineTuningDataModule(packed_sequence_specs=None)"
+            )
         return batch["tokens"], pack_targets(batch["labels"], batch.get("loss_mask"))
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The last pipeline stage's loss of one micro-batch."""
-        return pipeline_loss(logits, targets)
+        """The last pipeline stage's loss of one micro-batch (of the whole sequences under context parallelism)."""
+        if self.loss_group is None:
+            return pipeline_loss(logits, targets)
+        losses = F.cross_entropy(logits.flatten(0, 1).float(), targets[:, 0].long().flatten(), reduction="none")
+        return token_mean(losses, targets[:, 1].flatten().float(), self.loss_group)
 
     def pipeline_tied_weight(self) -> str | None:
         """The embedding weight, which the output layer shares (`share_embeddings_and_output_weights`)."""
@@ -102,13 +109,20 @@ class GPTModel(IOMixin, pl.LightningModule):
             for module in self.module.modules():
                 if isinstance(module, Attention):
                     module.context_parallel = context_parallel
+            for _, stage in self.pipeline_stages:  # the pipeline schedule passes a stage its input alone
+                stage.register_forward_pre_hook(GlobalPositions(context_parallel, _stage_length), with_kwargs=True)
         if self.config.calculate_per_token_loss:
             self.loss_group = data_context_mesh.get_group()
         elif cp_size > 1:
             self.loss_group = cp_mesh.get_group()
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.module(tokens, position_ids)
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.module(tokens, position_ids, segment_ids)
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean cross entropy over the (masked) tokens of the micro-batch, whose sequence may be split over cp
@@ -116,16 +130,14 @@ class GPTModel(IOMixin, pl.LightningModule):
         and the all-reduce's backward scales each rank's gradient by cp, which the gradient average over dp x cp
         divides out again (Megatron's `loss * cp_size`). With `GPTConfig.calculate_per_token_loss`, the sums run
         over dp x cp: loss summed over all tokens of the step divided by the global token count, once."""
-        logits = self(batch["tokens"], batch.get("position_ids"))
+        logits = self(batch["tokens"], batch.get("position_ids"), batch.get("segment_ids"))
         if self.loss_group is None and "loss_mask" not in batch:
             return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
         losses = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), reduction="none")
         loss_mask = batch["loss_mask"].flatten().float() if "loss_mask" in batch else torch.ones_like(losses)
         if self.loss_group is None:
             return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
-        totals = torch.stack([(losses * loss_mask).sum(), loss_mask.sum()])
-        totals = differentiable_all_reduce(totals, group=self.loss_group)
-        return totals[0] / totals[1].clamp(min=1.0)
+        return token_mean(losses, loss_mask, self.loss_group)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
@@ -157,3 +169,8 @@ class GPTModel(IOMixin, pl.LightningModule):
             else:  # each rank holds different experts: their norms add up over the group
                 grad_norm = clip_grad_norm_expert_parallel(self.named_parameters(), self.optim.clip_grad, ep_group)
             self.log("grad_norm", grad_norm, batch_size=1)
+
+
+def _stage_length(stage: GPT, inputs: torch.Tensor) -> int:
+    """The sequence length a pipeline stage runs on: its input's, times the sequence-parallel split of hidden states."""
+    return inputs.shape[1] * (1 if stage.pre_process else stage.sequence_parallel_size)

@@ -174,6 +174,15 @@ def rotary_tables(config: GPTConfig, position_ids: torch.Tensor) -> tuple[torch.
     return angles.cos(), angles.sin()
 
 
+def packed_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """The boolean attention mask [batch, 1, seq, seq] of packed sequences: query t attends to key s <= t of its
+    own segment (`segment_ids` [batch, seq], one id per sample of a row), so samples never see each other."""
+    seq = segment_ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=segment_ids.device).tril()
+    same_segment = segment_ids.unsqueeze(-1) == segment_ids.unsqueeze(-2)
+    return (same_segment & causal).unsqueeze(1)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
@@ -195,7 +204,11 @@ class Attention(nn.Module):
         self.v_proj = Linear(config.hidden_size, kv_dim, std)
         self.o_proj = Linear(config.hidden_size, config.hidden_size, output_init_std(config))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`mask`: None for plain causal attention, or a boolean [batch, 1, seq, seq] mask (True: may attend) of
+        packed sequences (`packed_attention_mask`)."""
         batch, seq, _ = x.shape
         head_dim = self.config.head_dim
         q = self.q_proj(x).view(batch, seq, -1, head_dim).transpose(1, 2)
@@ -203,9 +216,16 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq, -1, head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.context_parallel is not None:
+            if mask is not None:
+                raise ValueError(
+                    "packed sequences (segment_ids) are not supported with context parallelism: use "
+                    "context_parallel_size=1, or FineTuningDataModule(packed_sequence_specs=None)"
+                )
             out = self.context_parallel.attention(q, k, v, causal=True)
-        else:
+        elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -236,8 +256,10 @@ class TransformerLayer(nn.Module):
         else:
             self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attention(self.input_layernorm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.self_attention(self.input_layernorm(x), cos, sin, mask=mask)
         return x + self.mlp(self.pre_mlp_layernorm(x))
 
 
@@ -295,19 +317,27 @@ class GPT(nn.Module):
             if module is not self and hasattr(module, "reset_parameters"):
                 module.reset_parameters()
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """`tokens`: token ids [batch, seq] (hidden states [batch, seq, hidden] without `pre_process`);
-        `position_ids` ([seq] or [batch, seq]): the global positions of their columns (default 0..seq-1)."""
+        `position_ids` ([seq] or [batch, seq]): the global positions of their columns (default 0..seq-1);
+        `segment_ids` [batch, seq]: packed sequences, the sample each token belongs to (attention stays within a
+        sample, `packed_attention_mask`); None: one causal sequence per row."""
         if position_ids is None:
             seq_length = tokens.shape[1] * (1 if self.pre_process else self.sequence_parallel_size)
             position_ids = torch.arange(seq_length, device=tokens.device)
         cos, sin = rotary_tables(self.config, position_ids)
+        mask = None if segment_ids is None else packed_attention_mask(segment_ids)
         x = self.embedding(tokens) if self.pre_process else tokens
         for layer in self.layers:
             if self.config.recompute_granularity == "full" and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, mask=mask, use_reentrant=False)
             else:
-                x = layer(x, cos, sin)
+                x = layer(x, cos, sin, mask=mask)
         if not self.post_process:
             return x
         x = self.final_layernorm(x)
