@@ -16,9 +16,10 @@ from nemo_ckpt import dist_checkpointing as dc
 from nemo_ckpt.dist_checkpointing.safe_globals import LegacyMCoreMetadata, UnsafeCheckpointError
 from nemo_ckpt.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from tests.dist_checkpointing.fixtures.make_mcore_0_15_3 import EXP_AVG_A, EXP_AVG_B, WEIGHT
+from tests.helpers.megatron import megatron_core_sites
 
 FIXTURE = Path(__file__).parent / "fixtures" / "mcore_0_15_3"
-MCORE_0_15 = Path(os.environ.get("NEMO_CKPT_MCORE015", "/tmp/mcore015"))
+MCORE_0_15 = megatron_core_sites().get("0.15.3", Path(sys.prefix) / "megatron-core-0.15.3")
 
 
 def _check_loads_in_every_layout(checkpoint: Path) -> None:
