@@ -1,10 +1,10 @@
 """Checksums of a torch_dist checkpoint's files, and their verification.
 
-The writer threads compute a CRC32C (hardware-accelerated) of every item they write while its bytes are in
-cache; the coordinator stores them, with those of `.metadata` and `common.pt`, in `checksums.json`:
-`{"algorithm": "crc32c", "files": {name: [[offset, length, crc], ...]}}`, one range per item, so a corrupt
-byte is named by file and offset range. Megatron-Core and torch ignore the file; checkpoints without it load
-as before (nothing to verify).
+The writer threads compute a CRC32C (hardware-accelerated) of every item they wrote, from its bytes still in
+memory, while the file's fsync waits for the disk; the coordinator stores them, with those of `.metadata` and
+`common.pt`, in `checksums.json`: `{"algorithm": "crc32c", "files": {name: [[offset, length, crc], ...]}}`, one
+range per item, so a corrupt byte is named by file and offset range. Megatron-Core and torch ignore the file;
+checkpoints without it load as before (nothing to verify).
 """
 
 from __future__ import annotations
@@ -34,6 +34,14 @@ def extend(crc: int, data) -> int:
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
     return crc32c.crc32c(view, crc)
+
+
+def checksum(pieces: list) -> int:
+    """The CRC32C of the concatenated `pieces` (buffers)."""
+    crc = 0
+    for piece in pieces:
+        crc = extend(crc, piece)
+    return crc
 
 
 def file_checksum(path: str | Path) -> list[int]:

@@ -8,7 +8,8 @@
    its own thread, fsynced; every item
    serialized as `torch.distributed.checkpoint.FileSystemWriter` does (a `torch.save` zip), with
    or without the zip's CRC-32s (`torch.load` never checks them; computing them is most of a
-   save's CPU time). Each item's CRC32C is computed as it is written (see `integrity.py`).
+   save's CPU time). Each item's CRC32C is computed from the bytes it wrote while the file's fsync waits for
+   the disk, so the checksums cost CPU time the save would spend idle (see `integrity.py`).
 3. `finish` (training side, collective): gather the write results; the coordinator writes DCP's
    `.metadata` (atomically, fsynced) and `checksums.json`. With a `MetadataCache`, ranks
    whose shards have the same structure as last time send nothing but their write results.
@@ -43,10 +44,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..._compat import StorageInfo, dcp_write_item, write_tensor_without_crc
 from ..core import CheckpointingException
-from ..integrity import CHECKSUMS_FNAME, FileRanges, extend, file_checksum, write_checksums
+from ..integrity import CHECKSUMS_FNAME, FileRanges, checksum, file_checksum, write_checksums
 from .async_utils import AsyncRequest
 
 DCP_METADATA_FNAME = ".metadata"
+KEEP_BY_REFERENCE = 1 << 20
 ItemData = torch.Tensor | io.BytesIO
 
 
@@ -239,9 +241,9 @@ class FileSystemWriterAsync:
             self.release_staging()
 
     def _write_file(self, name: str, items: list[WriteItem]) -> list[WriteResult]:
-        results, ranges = [], []
+        results, ranges, pieces = [], [], []
         with open(self.checkpoint_dir / name, "wb") as file:
-            stream = DeferredErrorStream(file, checksum=self.checksums is not None)
+            stream = DeferredErrorStream(file, keep_pieces=self.checksums is not None)
             for item in items:
                 data = self.data[item.index]
                 if isinstance(data, io.BytesIO):
@@ -251,12 +253,17 @@ class FileSystemWriterAsync:
                 else:
                     results.append(_write_tensor_item_without_crc(stream, data, item, name))
                 info = results[-1].storage_data
-                ranges.append([info.offset, info.length, stream.take_checksum()])
+                ranges.append((info.offset, info.length))
+                pieces.append(stream.take_pieces())
             stream.raise_deferred_error()
-            if self.checksums is not None:
-                self.checksums[name] = ranges
             file.flush()
-            os.fsync(file.fileno())
+            if self.checksums is None:
+                os.fsync(file.fileno())
+            else:  # the checksums' CPU time overlaps the disk time of the fsync
+                with ThreadPoolExecutor(1, thread_name_prefix="ckpt-file-fsync") as sync:
+                    synced = sync.submit(os.fsync, file.fileno())
+                    self.checksums[name] = [[*span, checksum(item)] for span, item in zip(ranges, pieces)]
+                    synced.result()
         return results
 
     def finish(self) -> None:
@@ -323,34 +330,37 @@ class DeferredErrorStream:
 
     torch's zip writer turns a failed write into a C++ exception, and a second one from its destructor aborts
     the process; here the first error is kept, later writes are dropped, and `raise_deferred_error` raises it.
+    With `keep_pieces`, the bytes written since the last `take_pieces` are kept for their checksum: pieces of
+    `KEEP_BY_REFERENCE` bytes or more by reference (the staged tensors' memory, alive until the file is written),
+    smaller ones (the zip's headers, which may be the writer's temporaries) as copies.
     """
 
-    def __init__(self, file: io.BufferedWriter, checksum: bool = False) -> None:
+    def __init__(self, file: io.BufferedWriter, keep_pieces: bool = False) -> None:
         self.file = file
         self.error: OSError | None = None
         self.position = file.tell()
-        self.checksum = checksum
-        self.crc = 0
+        self.keep_pieces = keep_pieces
+        self.pieces: list[memoryview | bytes] = []
 
     def write(self, data) -> int:
-        size = memoryview(data).nbytes
-        if self.checksum:
-            self.crc = extend(self.crc, data)
+        view = memoryview(data)
+        if self.keep_pieces:
+            self.pieces.append(view if view.nbytes >= KEEP_BY_REFERENCE else bytes(view))
         if self.error is None:
             try:
-                self.file.write(data)
+                self.file.write(view)
             except OSError as error:
                 self.error = error
-        self.position += size
-        return size
+        self.position += view.nbytes
+        return view.nbytes
 
     def tell(self) -> int:
         return self.position
 
-    def take_checksum(self) -> int:
-        """The CRC32C of the bytes written since the last call (0 when not computed)."""
-        crc, self.crc = self.crc, 0
-        return crc
+    def take_pieces(self) -> list[memoryview | bytes]:
+        """The bytes written since the last call (none without `keep_pieces`)."""
+        pieces, self.pieces = self.pieces, []
+        return pieces
 
     def flush(self) -> None:
         """Data reaches the disk at the end of the file's write, with one flush and fsync."""
