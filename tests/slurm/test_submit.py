@@ -8,6 +8,7 @@ import pytest
 
 from launch.slurm import check_submittable, slurm_executor
 from tests.slurm.cluster import SlurmCluster
+from tests.slurm.jobs import job_log
 
 ALLREDUCE = """\
 import pathlib, sys
@@ -45,7 +46,7 @@ def test_experiment_runs_torchrun_allreduce(slurm_cluster: SlurmCluster, nemorun
         job_dir = Path(exp.jobs[0].executor.job_dir)
 
     info = slurm_cluster.wait(job_id, timeout=120)
-    log = (job_dir / f"log-nemo_ckpt.allreduce_{job_id}_0.out").read_text()
+    log = job_log(job_dir, job_id, task="allreduce")
     assert info["JobState"] == "COMPLETED", (job_dir / f"sbatch_nemo_ckpt.allreduce_{job_id}.out").read_text()
     assert info["JobName"] == "nemo_ckpt.allreduce"
     assert info["Requeue"] == "1"
