@@ -14,11 +14,18 @@ def job_log(job_dir: Path, job_id: str, task: str = "pretrain") -> str:
     return (job_dir / f"log-nemo_ckpt.{task}_{job_id}.out").read_text()
 
 
+def joined(log: str) -> str:
+    """A multi-node job's log (srun `--label`: each chunk srun reads starts `<node>: `) with the labels and the newline
+    before each dropped: a line that srun cut in two (torchrun's output may reach it mid-line) is whole again. Lines
+    run together: search it with `in` or a regex, not line by line."""
+    return re.sub(r"(?:^|\n)\d+: ", "", log)
+
+
 def attempts(log: str, job_id: str) -> list[str]:
-    """`log` cut at each attempt's first `Slurm job <id>: attempt <n>` line (n = 1, 2, ...); what comes before the
-    first one (torchrun's start) belongs to attempt 1."""
+    """`log` cut at each attempt's first `Slurm job <id>: attempt <n> on` (n = 1, 2, ...); what comes before the first
+    one (torchrun's start) belongs to attempt 1."""
     starts: dict[int, int] = {}
-    for match in re.finditer(rf"^.*Slurm job {job_id}: attempt (\d+) on ", log, re.MULTILINE):
+    for match in re.finditer(rf"Slurm job {job_id}: attempt (\d+) on ", log):
         starts.setdefault(int(match[1]), match.start())
     assert sorted(starts) == list(range(1, len(starts) + 1)), f"attempts {sorted(starts)} in the log"
     bounds = [0, *sorted(starts.values())[1:], len(log)]
