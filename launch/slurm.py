@@ -36,8 +36,8 @@ Behaviour of NeMo-Run 0.11.1 worth knowing:
   they see UNKNOWN;
 * NeMo-Run names the job log after the restart count, one file per (re)start, and `nemo experiment logs`
   shows the first file only. `JobLog` keeps every attempt in one `<job dir>/log-nemo_ckpt.<task>_<job id>.out`
-  (srun `--open-mode=append`); each attempt starts with the `PreemptionCallback`'s line
-  `Slurm job <id>: attempt <n>`.
+  (srun `--open-mode=append`); in each attempt the first process of every node logs
+  `Slurm job <id>: attempt <n> on <host>` (`NeMoLogger.setup`).
 """
 
 import re
