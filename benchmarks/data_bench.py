@@ -9,9 +9,10 @@
 - Index building: the document, sample and shuffle indices of one epoch of `--index-documents` documents (a sparse
   `.bin`), ours (numpy) against megatron-core's `GPTDataset` (its C++ `build_sample_idx`) when importable; the
   blending index of as many samples, ours against megatron-core's C++ `build_blending_indices`.
-- Loading: samples/s that a DataLoader like `PreTrainingDataModule`'s (GPTDataset, 2 workers) delivers, against
-  the samples/s the tiny model trains on (one process, one thread), and the anonymous memory of reading samples
-  from a small and a large corpus (memory-mapped: it does not grow with the corpus).
+- Loading: samples/s that `PreTrainingDataModule`'s loader (GPTDataset, 2 workers, one micro-batch or
+  `micro_batches_per_fetch` of them per worker hand-over) delivers, against the samples/s the tiny model trains
+  on (one process, one thread), and the anonymous memory of reading samples from a small and a large corpus
+  (memory-mapped: it does not grow with the corpus).
 Medians of `--reps`. Writes the `## Data` section of benchmarks/RESULTS.md.
 """
 
@@ -225,6 +226,9 @@ def anonymous_memory_kib() -> int:
     return 0
 
 
+PER_FETCH = 16  # micro-batches a worker hands over at once in the grouped rows
+
+
 class ConstantSamples(torch.utils.data.Dataset):
     """The same sample every time: what a DataLoader costs by itself."""
 
@@ -236,12 +240,19 @@ class ConstantSamples(torch.utils.data.Dataset):
         return {"tokens": zeros, "labels": zeros, "loss_mask": torch.ones(32)}
 
 
-def loader_rate(dataset: torch.utils.data.Dataset, workers: int, batches: int = 1000) -> float:
-    """Samples/s of micro-batches of 4 from a DataLoader like `PreTrainingDataModule`'s."""
+def loader_rate(dataset: torch.utils.data.Dataset, workers: int, per_fetch: int = 1, batches: int = 1000) -> float:
+    """Samples/s of micro-batches of 4 from `PreTrainingDataModule`'s loader (`micro_batches_per_fetch`)."""
     from nemo_ckpt.data.pretraining import collate_training_batch
+    from nemo_ckpt.data.sampler import PretrainingSampler, ResumableDataLoader
 
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_size=4, num_workers=workers, collate_fn=collate_training_batch, persistent_workers=workers > 0
+    loader = ResumableDataLoader(
+        dataset,
+        batch_sampler=PretrainingSampler(len(dataset), 0, 4, 0, 1),
+        consumed_samples=lambda: 0,
+        micro_batches_per_fetch=per_fetch,
+        num_workers=workers,
+        collate_fn=collate_training_batch,
+        persistent_workers=workers > 0,
     )
     iterator = iter(loader)
     next(iterator)
@@ -276,7 +287,11 @@ def bench_loading(directory: Path) -> list[str]:
     loading = {
         "GPTDataset, in the training process (num_workers=0)": loader_rate(dataset, 0),
         "GPTDataset, 2 workers": loader_rate(dataset, 2),
+        f"GPTDataset, 2 workers, micro_batches_per_fetch={PER_FETCH}": loader_rate(dataset, 2, PER_FETCH),
         "constant tensors, 2 workers (DataLoader's own cost)": loader_rate(ConstantSamples(), 2),
+        f"constant tensors, 2 workers, micro_batches_per_fetch={PER_FETCH}": loader_rate(
+            ConstantSamples(), 2, PER_FETCH
+        ),
     }
 
     memory = []

@@ -66,6 +66,27 @@ def test_resumes_after_consumed_samples(prefixes):
     assert torch.equal(next(iter(loader))["tokens"], reference[4])
 
 
+def test_fetching_several_micro_batches_at_once_gives_the_same_micro_batches(prefixes):
+    """micro_batches_per_fetch=4 with 2 workers: the same micro-batches in the same order (a last, incomplete
+    group included), as many of them, and a resume at consumed samples that do not start a group."""
+    fresh = module(prefixes[0])
+    attach(fresh)
+    fresh.setup("fit")
+    reference = list(fresh.train_dataloader())
+    grouped = module(prefixes[0], micro_batches_per_fetch=4, num_workers=2)
+    attach(grouped)
+    grouped.setup("fit")
+    loader = grouped.train_dataloader()
+    batches = list(loader)
+    assert len(loader) == len(reference) == len(batches) and len(reference) % 4
+    for ours, theirs in zip(batches, reference):
+        assert all(torch.equal(ours[key], theirs[key]) for key in theirs)
+    loader.load_state_dict({"consumed_samples": 8})
+    assert torch.equal(next(iter(loader))["tokens"], reference[4]["tokens"])
+    with pytest.raises(ValueError, match=r"micro_batches_per_fetch=0; use 1 or more"):
+        module(prefixes[0], micro_batches_per_fetch=0)
+
+
 def test_weighted_blend(prefixes):
     data = module([0.25, prefixes[0], 0.75, prefixes[1]])
     attach(data, max_steps=20)
