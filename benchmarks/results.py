@@ -2,11 +2,13 @@
 `## ...` section and rewrites only that one."""
 
 import importlib.util
+import os
 import re
 import shutil
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
@@ -54,3 +56,40 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def join_process_group(rank: int, world: int, port: int, threads: int = 1, backend: str = "gloo") -> None:
+    """Join a benchmark's process group on this machine as torchrun would start the rank (`threads` per rank)."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS=str(threads),
+    )
+    torch.set_num_threads(threads)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+
+
+def measurement_trainer(devices: int, strategy: Any, max_steps: int, callbacks: list, accelerator: str = "cpu") -> Any:
+    """A Lightning Trainer that only trains: no logger, checkpoints, progress bar, summary or validation."""
+    import lightning.pytorch as pl
+
+    return pl.Trainer(
+        accelerator=accelerator,
+        devices=devices,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )

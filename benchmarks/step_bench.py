@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-from results import check_dependencies, free_port, write_section
+from results import check_dependencies, free_port, join_process_group, measurement_trainer, write_section
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -138,17 +138,8 @@ def worker(
     # Every strategy gets `threads`: Lightning sets the thread count only through its launchers (DDPStrategy,
     # so MegatronStrategy, always has one; ModelParallelStrategy none for processes started outside it, as
     # here), and only where OMP_NUM_THREADS is unset
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(ranks),
-        LOCAL_RANK=str(rank),
-        OMP_NUM_THREADS=str(threads),
-    )
-    torch.set_num_threads(threads)
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=ranks)
+    join_process_group(rank, ranks, port, threads, "nccl" if cuda else "gloo")
     try:
         pl.seed_everything(0, verbose=False)
         strategy, model = strategy_and_model(name, model_size, ranks)
@@ -160,20 +151,7 @@ def worker(
             global_batch_size=GLOBAL_BATCH_SIZE,
         )
         measure = Measure()
-        trainer = pl.Trainer(
-            accelerator="gpu" if cuda else "cpu",
-            devices=ranks,
-            strategy=strategy,
-            max_steps=WARMUP_STEPS + steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            callbacks=[measure],
-        )
+        trainer = measurement_trainer(ranks, strategy, WARMUP_STEPS + steps, [measure], "gpu" if cuda else "cpu")
         rss_before = current_rss_bytes()
         trainer.fit(model, datamodule=data)
         peak = (

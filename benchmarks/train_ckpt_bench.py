@@ -34,7 +34,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from results import check_dependencies, write_section
+from results import check_dependencies, join_process_group, write_section
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -120,16 +120,7 @@ def worker(
     model_shape: dict,
     results: Any,
 ) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(ranks),
-        LOCAL_RANK=str(rank),
-        OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    join_process_group(rank, ranks, port)
     try:
         pl.seed_everything(0, verbose=False)
         options = CONFIGS[name]

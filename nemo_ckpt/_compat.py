@@ -52,9 +52,11 @@ __all__ = [
     "nemo_run_cli_parse_union_types",
     "nemo_run_experiment_dir",
     "numpy_array_reconstructor",
+    "one_f_one_b_order",
     "optimizers_to_device",
     "redirect_logger",
     "storage_type_dtypes",
+    "unbatched_1f1b_schedule",
     "write_tensor_without_crc",
 ]
 
@@ -110,6 +112,33 @@ def enable_async_tensor_parallel(group_name: str) -> None:
 
     inductor_config._micro_pipeline_tp = True
     enable_symm_mem_for_group(group_name)
+
+
+def one_f_one_b_order(pp_size: int, rank: int, n_microbatches: int) -> list[Any]:
+    """Megatron's non-interleaved 1F1B order of `rank`'s stage (stage index = rank) as torch's schedule actions
+    (None: an idle slot): `pp_size - 1 - rank` warm-up forwards, then one forward and one backward, then the
+    remaining backwards. Built by torch's private `_get_1f1b_rank_ops` for one local stage."""
+    from torch.distributed.pipelining.schedules import _get_1f1b_rank_ops
+
+    warmup = min(pp_size - 1 - rank, n_microbatches)
+    steady = n_microbatches - warmup
+    return _get_1f1b_rank_ops(1, pp_size, warmup, steady, warmup, rank, lambda _: rank, lambda _: rank)
+
+
+def unbatched_1f1b_schedule(
+    stage: Any, n_microbatches: int, loss_fn: Callable[..., torch.Tensor]
+) -> "torch.distributed.pipelining.ScheduleInterleaved1F1B":
+    """The 1F1B order (`one_f_one_b_order`) run by torch's action runtime, which posts every send and receive as
+    its own operation, each receive just before its use (`defer_pp_recv`). `Schedule1F1B` runs the same order
+    but batches a step's send and receive into one `batch_isend_irecv`. Overrides the interleaved schedule's
+    private per-rank order."""
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+
+    class Unbatched1F1B(ScheduleInterleaved1F1B):
+        def _calculate_single_rank_operations(self, rank: int) -> list[Any]:
+            return one_f_one_b_order(self.pp_group_size, rank, self._n_microbatches)
+
+    return Unbatched1F1B([stage], n_microbatches, loss_fn=loss_fn, scale_grads=True, defer_pp_recv=True)
 
 
 def numpy_array_reconstructor() -> Callable[..., Any]:

@@ -140,3 +140,13 @@ def test_async_tensor_parallel_switches_inductor_on():  # pragma: no cover - GPU
         assert inductor_config._micro_pipeline_tp
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_one_f_one_b_order_is_megatron_s_non_interleaved_schedule():
+    def order(rank: int) -> list[str]:
+        actions = _compat.one_f_one_b_order(2, rank, 4)
+        return [f"{action.computation_type.value}{action.microbatch_index}" for action in actions if action]
+
+    assert order(0) == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]  # one warm-up forward
+    assert order(1) == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]  # the last stage: none
+    assert all(action.stage_index == 1 for action in _compat.one_f_one_b_order(2, 1, 4) if action)

@@ -10,6 +10,11 @@ Gradients: an expert's gradient sums the contributions of the tokens of all rank
 backward brings them back), so it is averaged over edp and divided by ep, i.e. summed over edp and divided by the
 dp x cp size; dense parameters are averaged over dp x cp as usual (`ExpertParallelGradReducer` without FSDP2;
 with FSDP2 through the gradient divide factor of the experts' FSDP units on the edp mesh).
+
+Tensor parallelism (`expert_tensor_parallel_size`, Megatron-Core's option): the tp ranks of a dp rank route the
+same tokens, so an ep group is made of ranks with the same tp rank and tp is the expert mesh's last dimension.
+Each expert is sharded over tp like the dense MLP (expert_tensor_parallel_size = tensor_model_parallel_size,
+Megatron's default) or held whole by every tp rank (1; Megatron instead spreads experts over tp x dp ranks then).
 """
 
 import re
@@ -26,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from nemo_ckpt.dist_checkpointing import ShardedTensor
 from nemo_ckpt.dist_checkpointing.dtensor import local_tensor
-from nemo_ckpt.parallel.mesh import EXPERT_DATA_PARALLEL_DIM, EXPERT_PARALLEL_DIM
+from nemo_ckpt.parallel.mesh import EXPERT_DATA_PARALLEL_DIM, EXPERT_PARALLEL_DIM, TENSOR_PARALLEL_DIM
 from nemo_ckpt.parallel.meta_init import materialize
 
 EXPERTS_MODULE_NAME = "experts"
@@ -39,6 +44,8 @@ class ExpertParallelLayer(Protocol):
 
     num_experts: int
     experts: nn.Module
+    expert_tensor_parallel: bool
+    """With tensor parallelism: shard each expert over tp (True) or hold it whole on every tp rank (False)."""
 
     def set_process_groups(
         self, data_parallel_group: dist.ProcessGroup | None, expert_parallel_group: dist.ProcessGroup | None
@@ -70,11 +77,16 @@ def local_expert_ids(num_experts: int, ep_rank: int, ep_size: int) -> range:
 
 
 def apply_expert_parallel(
-    model: nn.Module, expert_mesh: DeviceMesh | None, data_parallel_group: dist.ProcessGroup | None
+    model: nn.Module,
+    expert_mesh: DeviceMesh | None,
+    data_parallel_group: dist.ProcessGroup | None,
+    expert_tensor_parallel: bool = True,
 ) -> list[ExpertParallelLayer]:
-    """Keep each MoE layer's own experts (ep rank of `expert_mesh`; None: all) and give it its process groups."""
+    """Keep each MoE layer's own experts (ep rank of `expert_mesh`; None: all) and give it its process groups;
+    `expert_tensor_parallel`: whether tensor parallelism (applied after) is to shard the experts."""
     layers = expert_layers(model)
     for layer in layers:
+        layer.expert_tensor_parallel = expert_tensor_parallel
         if expert_mesh is None:
             layer.set_process_groups(data_parallel_group, None)
             continue
@@ -82,6 +94,24 @@ def apply_expert_parallel(
         layer.keep_experts(local_expert_ids(layer.num_experts, ep_mesh.get_local_rank(), ep_mesh.size()))
         layer.set_process_groups(data_parallel_group, ep_mesh.get_group())
     return layers
+
+
+def move_to_expert_mesh(experts: nn.Module, expert_mesh: DeviceMesh) -> None:
+    """Re-place tensor-parallel expert parameters (DTensors on the dense mesh's tp) on `expert_mesh`'s tp, the
+    same ranks in the same order, in place: FSDP2 wants the tp and edp meshes to come from one mesh."""
+    tp_mesh = expert_mesh[TENSOR_PARALLEL_DIM]
+    for module in experts.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                placed = DTensor.from_local(
+                    param.to_local().detach(),
+                    tp_mesh,
+                    param.placements,
+                    run_check=False,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
+                module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
 
 
 def shard_experts_fsdp(
@@ -99,13 +129,16 @@ def shard_experts_fsdp(
     units = []
     for layer in layers:
         materialize(layer.experts, device)
+        move_to_expert_mesh(layer.experts, expert_mesh)
         unit = fully_shard(
             layer.experts,
             mesh=expert_mesh[EXPERT_DATA_PARALLEL_DIM],
             reshard_after_forward=reshard_after_forward,
             mp_policy=mp_policy,
         )
-        unit.set_force_sum_reduction_for_comms(True)  # sum, then divide (gloo has no PREMUL_SUM)
+        # sum, then divide (gloo has no PREMUL_SUM); on one edp rank no collective runs, and FSDP2 would divide
+        # twice with forced sums (torch 2.13)
+        unit.set_force_sum_reduction_for_comms(expert_mesh[EXPERT_DATA_PARALLEL_DIM].size() > 1)
         unit.set_gradient_divide_factor(float(data_parallel_size))
         units.append(unit)
     return units
@@ -236,13 +269,17 @@ def clip_grad_norm_expert_parallel(
 
 
 def expert_replica_ids(state_dict: dict, expert_data_parallel_rank: int) -> dict[str, int]:
-    """The checkpoint replica id of each expert key when experts are split: among the edp copies of a plain
-    tensor, its edp rank; an FSDP2 shard on the edp mesh has no other copy (0)."""
+    """The checkpoint replica id of each expert key when experts are split: among the edp copies of a tensor (a
+    plain one, or a DTensor on the tp mesh), its edp rank; an FSDP2 shard on the edp mesh has no other copy (0)."""
     return {
-        key: 0 if isinstance(value, DTensor) else expert_data_parallel_rank
+        key: 0 if _on_expert_data_parallel_mesh(value) else expert_data_parallel_rank
         for key, value in state_dict.items()
         if is_expert_key(key)
     }
+
+
+def _on_expert_data_parallel_mesh(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, DTensor) and EXPERT_DATA_PARALLEL_DIM in (tensor.device_mesh.mesh_dim_names or ())
 
 
 def shard_expert_scalar_state(optimizer_state: dict, replica_id: int) -> None:
@@ -292,33 +329,42 @@ def check_expert_parallel_options(
     expert_model_parallel_size: int,
     expert_tensor_parallel_size: int | None,
     tensor_model_parallel_size: int,
+    pipeline_model_parallel_size: int,
     data_parallel_sharding_strategy: str,
-    other_parallel_sizes: dict[str, int],
-) -> None:
-    """Configuration-time errors for `MegatronStrategy`'s expert options (combinations not supported yet)."""
+) -> int:
+    """Configuration-time errors for `MegatronStrategy`'s expert options (combinations not supported yet).
+
+    Returns the expert tensor-parallel size: `expert_tensor_parallel_size`, by default (None) the
+    `tensor_model_parallel_size`, as in Megatron-Core.
+    """
     if expert_model_parallel_size < 1:
         raise ValueError(f"MegatronStrategy(expert_model_parallel_size={expert_model_parallel_size}): use 1 or more")
-    if expert_tensor_parallel_size not in (None, 1):
+    tp = tensor_model_parallel_size
+    if expert_tensor_parallel_size is None:
+        expert_tensor_parallel_size = tp
+    if expert_tensor_parallel_size not in (1, tp):
         raise ValueError(
-            f"MegatronStrategy(expert_tensor_parallel_size={expert_tensor_parallel_size}): tensor parallelism "
-            "within experts is not supported yet; leave it None (or 1) and split experts with "
-            "expert_model_parallel_size"
+            f"MegatronStrategy(expert_tensor_parallel_size={expert_tensor_parallel_size}) with "
+            f"tensor_model_parallel_size={tp}: experts are sharded over the tensor-parallel ranks "
+            f"(expert_tensor_parallel_size={tp}, the default) or held whole on each of them (1); other sizes are "
+            "not supported"
+        )
+    if pipeline_model_parallel_size > 1 and expert_tensor_parallel_size != tp:
+        raise ValueError(
+            f"MegatronStrategy(expert_tensor_parallel_size={expert_tensor_parallel_size}) with "
+            "pipeline_model_parallel_size > 1 is not supported yet; leave it None (experts sharded like the "
+            "dense layers)"
         )
     if expert_model_parallel_size == 1:
-        return
-    if tensor_model_parallel_size > 1:
-        raise ValueError(
-            "MegatronStrategy: expert_model_parallel_size > 1 with tensor_model_parallel_size > 1 is not "
-            "supported yet; use one of them"
-        )
+        return expert_tensor_parallel_size
     if data_parallel_sharding_strategy == "optim":
         raise ValueError(
             "MegatronStrategy: expert_model_parallel_size > 1 does not support data_parallel_sharding_strategy="
             "'optim' (ZeRO-1) yet; use 'no_shard', 'optim_grads' or 'optim_grads_params'"
         )
-    for name, size in other_parallel_sizes.items():
-        if size > 1:
-            raise ValueError(
-                f"MegatronStrategy: {name} > 1 with expert_model_parallel_size > 1 is not supported yet; "
-                "use one of them"
-            )
+    if pipeline_model_parallel_size > 1:
+        raise ValueError(
+            "MegatronStrategy: pipeline_model_parallel_size > 1 with expert_model_parallel_size > 1 is not "
+            "supported yet; use one of them"
+        )
+    return expert_tensor_parallel_size

@@ -19,8 +19,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 
+from nemo_ckpt._compat import unbatched_1f1b_schedule
 from nemo_ckpt.dist_checkpointing.dtensor import local_tensor
 from nemo_ckpt.parallel.ddp_config import DistributedDataParallelConfig
 
@@ -56,6 +58,11 @@ class PipelineConfig:
     (Megatron's default and the only value torch's interleaved schedule runs: the pipeline size).
     `pipeline_dtype`: the dtype of activations sent between stages (None: as computed).
     `schedule`: `gpipe`, `1f1b` or `interleaved_1f1b` (default: `interleaved_1f1b` with V > 1, else `1f1b`).
+    `overlap_p2p_comm` (interleaved schedule only; its default): each stage's receives are posted as early as the
+    schedule allows and waited on just before use, overlapping sends and receives with the computation in
+    between; off, each receive is posted right before the computation that needs it.
+    `batch_p2p_comm` (1f1b only; its default): a steady-state step's send and receive go out together in one
+    `batch_isend_irecv`; off, each is its own `isend`/`irecv`. Megatron's rule: not both on.
     """
 
     pipeline_model_parallel_size: int = 1
@@ -63,6 +70,8 @@ class PipelineConfig:
     microbatch_group_size_per_vp_stage: int | None = None
     pipeline_dtype: torch.dtype | str | None = None
     schedule: str | None = None
+    overlap_p2p_comm: bool | None = None
+    batch_p2p_comm: bool | None = None
 
     def __post_init__(self) -> None:
         pp, vpp = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
@@ -89,10 +98,54 @@ class PipelineConfig:
                 f"microbatch_group_size_per_vp_stage={group}: only the interleaved schedule (V > 1) groups "
                 f"micro-batches, and torch's runs groups of pipeline_model_parallel_size={pp}; set it to {pp} or None"
             )
+        self._check_p2p_options()
         if isinstance(self.pipeline_dtype, str) and self.pipeline_dtype not in PIPELINE_DTYPES:
             raise ValueError(
                 f"pipeline_dtype={self.pipeline_dtype!r}: use a torch dtype or one of {sorted(PIPELINE_DTYPES)}"
             )
+
+    def _check_p2p_options(self) -> None:
+        overlap, batch, name = self.overlap_p2p_comm, self.batch_p2p_comm, self.schedule_name
+        given = {
+            key: value for key, value in (("overlap_p2p_comm", overlap), ("batch_p2p_comm", batch)) if value is not None
+        }
+        if given and not self.enabled:
+            raise ValueError(
+                f"{', '.join(f'{key}={value}' for key, value in given.items())}: pipeline send/receive options "
+                "need pipeline_model_parallel_size > 1; leave them unset"
+            )
+        if overlap and batch:
+            raise ValueError(
+                "overlap_p2p_comm=True and batch_p2p_comm=True: overlapped receives are posted one by one, ahead "
+                "of their use, so they cannot be batched (Megatron's rule); set batch_p2p_comm=False"
+            )
+        if overlap and name != "interleaved_1f1b":
+            raise ValueError(
+                f"overlap_p2p_comm=True takes effect with the interleaved schedule only (the {name!r} schedule "
+                "runs here); set virtual_pipeline_model_parallel_size > 1 or overlap_p2p_comm=False"
+            )
+        if batch and name != "1f1b":
+            reason = (
+                "gpipe never sends and receives in the same step"
+                if name == "gpipe"
+                else "torch's interleaved runtime posts each send and receive on its own"
+            )
+            raise ValueError(
+                f"batch_p2p_comm=True takes effect with the 1f1b schedule only ({reason}); set batch_p2p_comm=False "
+                "or leave it unset"
+            )
+
+    @property
+    def overlaps_p2p(self) -> bool:
+        """Whether receives are posted ahead of their use (the interleaved schedule's default)."""
+        default = self.schedule_name == "interleaved_1f1b"
+        return default if self.overlap_p2p_comm is None else self.overlap_p2p_comm
+
+    @property
+    def batches_p2p(self) -> bool:
+        """Whether a step's send and receive go out in one `batch_isend_irecv` (the 1f1b schedule's default)."""
+        default = self.schedule_name == "1f1b"
+        return default if self.batch_p2p_comm is None else self.batch_p2p_comm
 
     @property
     def enabled(self) -> bool:
@@ -138,6 +191,33 @@ def cast_output(dtype: torch.dtype) -> Callable[[nn.Module, Any, torch.Tensor], 
         return output.to(dtype)
 
     return hook
+
+
+def cast_inputs(dtype: torch.dtype) -> Callable[[nn.Module, tuple], tuple]:
+    """A forward pre-hook casting a stage's floating-point inputs (the activations received) to `dtype`, so that
+    `pipeline_dtype` changes only what is sent between stages."""
+
+    def hook(module: nn.Module, inputs: tuple) -> tuple:
+        return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
+
+    return hook
+
+
+def build_schedule(
+    config: PipelineConfig,
+    stages: list[PipelineStage],
+    num_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    """The configured schedule over this rank's stages, with its send/receive options."""
+    name = config.schedule_name
+    if name == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B(
+            stages, num_microbatches, loss_fn=loss_fn, scale_grads=True, defer_pp_recv=not config.overlaps_p2p
+        )
+    if name == "1f1b" and not config.batches_p2p:
+        return unbatched_1f1b_schedule(stages[0], num_microbatches, loss_fn)
+    return SCHEDULES[name](stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=True)
 
 
 class MicroBatchGroups:
@@ -197,9 +277,10 @@ class PipelineRunner:
             for stage in self.stages:
                 if not stage.is_last:
                     stage.submod.register_forward_hook(cast_output(dtype))
-        schedule_class = SCHEDULES[config.schedule_name]
-        stages: Any = self.stages if schedule_class is ScheduleInterleaved1F1B else self.stages[0]
-        self.schedule = schedule_class(stages, num_microbatches, loss_fn=loss_fn, scale_grads=True)
+                if not stage.is_first:  # back to the parameters' dtype, before FSDP2's own input cast
+                    parameter = next(stage.submod.parameters())
+                    stage.submod.register_forward_pre_hook(cast_inputs(parameter.dtype), prepend=True)
+        self.schedule = build_schedule(config, self.stages, num_microbatches, loss_fn)
         self.has_first = any(stage.is_first for stage in self.stages)
         self.has_last = any(stage.is_last for stage in self.stages)
         self.last_stage_rank = dist.get_global_rank(self.group, self.group.size() - 1)
@@ -217,6 +298,62 @@ class PipelineRunner:
             loss = torch.zeros((), device=inputs.device)
         dist.broadcast(loss, src=self.last_stage_rank, group=self.group)
         return loss
+
+
+class StageGradientReducer:
+    """Data parallelism of unsharded pipeline stages, overlapped per virtual stage (Megatron's
+    `overlap_grad_reduce` under pipeline parallelism): each stage's gradients form one bucket, all-reduced over
+    the data-parallel `group` asynchronously as soon as backward has accumulated the stage's last micro-batch,
+    while this rank's other stages still compute. `finish()` waits and writes the averages back.
+
+    A bucket is copied when launched, before the schedule scales the gradients by 1 / `num_microbatches`, so it
+    is divided by data-parallel size x micro-batches. A stage whose bucket did not start (a parameter got no
+    gradient in some micro-batch) is reduced in `finish()`.
+    """
+
+    def __init__(
+        self, stages: Sequence[tuple[int, nn.Module]], group: dist.ProcessGroup, num_microbatches: int
+    ) -> None:
+        self.group, self.num_microbatches = group, num_microbatches
+        self.params = {
+            index: [param for param in module.parameters() if param.requires_grad] for index, module in stages
+        }
+        self.counts = dict.fromkeys(self.params, 0)
+        self.pending: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work]] = []
+        self.launched: list[int] = []
+        for index, params in self.params.items():
+            for param in params:
+                param.register_post_accumulate_grad_hook(lambda _, index=index: self._count(index))
+
+    def _count(self, index: int) -> None:
+        self.counts[index] += 1
+        if self.counts[index] == len(self.params[index]) * self.num_microbatches:
+            grads = [local_tensor(param.grad) for param in self.params[index]]
+            bucket = torch.cat([grad.flatten() for grad in grads])
+            self.pending.append((grads, bucket, dist.all_reduce(bucket, group=self.group, async_op=True)))
+            self.launched.append(index)
+
+    @torch.no_grad()
+    def finish(self) -> list[int]:
+        """Complete this step's averaging of every stage's gradients; return the stages whose buckets started
+        during backward, in launch order."""
+        for grads, bucket, work in self.pending:
+            work.wait()
+            _copy_back(grads, bucket.div_(self.group.size() * self.num_microbatches))
+        for index in self.params.keys() - set(self.launched):
+            grads = [local_tensor(param.grad) for param in self.params[index] if param.grad is not None]
+            if grads:
+                bucket = torch.cat([grad.flatten() for grad in grads])
+                dist.all_reduce(bucket, group=self.group)
+                _copy_back(grads, bucket.div_(self.group.size()))  # already scaled by the schedule
+        launched, self.launched, self.pending = self.launched, [], []
+        self.counts = dict.fromkeys(self.params, 0)
+        return launched
+
+
+def _copy_back(grads: list[torch.Tensor], bucket: torch.Tensor) -> None:
+    for grad, reduced in zip(grads, bucket.split([grad.numel() for grad in grads])):
+        grad.copy_(reduced.view_as(grad))
 
 
 def check_pipeline_options(config: PipelineConfig, ddp_config: DistributedDataParallelConfig) -> None:

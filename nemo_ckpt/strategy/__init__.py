@@ -1,5 +1,5 @@
 """The Lightning strategy: `MegatronStrategy`, its `DistCheckpointIO`, the sharded state dicts it saves and loads
-(`state_dict`), and tensor-parallel communication overlap (`comm_overlap`)."""
+(`state_dict`), and tensor- and pipeline-parallel communication overlap (`comm_overlap`)."""
 
 from nemo_ckpt.strategy.checkpoint_io import DistCheckpointIO, DistCheckpointOptions
 from nemo_ckpt.strategy.comm_overlap import MegatronCommOverlapCallback

@@ -1,4 +1,7 @@
-"""Tensor-parallel communication overlap: NeMo's `MegatronCommOverlapCallback` TP options, validated.
+"""Communication overlap: NeMo's `MegatronCommOverlapCallback` tensor- and pipeline-parallel options, validated.
+
+Pipeline send/receive (`overlap_p2p_comm`, `batch_p2p_comm`) go to the strategy's `PipelineConfig`, which
+chooses how torch's schedules post them (`nemo_ckpt/parallel/pipeline.py`); they run on every device.
 
 In Megatron, the pipelined all-gather/reduce-scatter overlaps (`tp_comm_overlap_ag`, `tp_comm_overlap_rs`) and
 the bulk overlaps (`tp_comm_bulk_dgrad`, `tp_comm_bulk_wgrad`) are Transformer Engine userbuffers kernels,
@@ -15,12 +18,13 @@ to `torch.compile`d code only. Userbuffers tuning (`tp_comm_overlap_cfg`) and th
 counterpart and are rejected on every device.
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import lightning.pytorch as pl
 import torch
 
 from nemo_ckpt._compat import enable_async_tensor_parallel
+from nemo_ckpt.parallel.pipeline import PipelineConfig
 
 BOOTSTRAP_BACKENDS = ("nccl", "mpi", "gloo")
 
@@ -158,8 +162,9 @@ class TPCommOverlapConfig:
 
 
 class MegatronCommOverlapCallback(pl.Callback):
-    """NeMo's callback for TP communication overlap: validates the options against the strategy at setup and,
-    on CUDA, turns on torch async TP for the strategy's tp mesh.
+    """NeMo's callback for communication overlap: validates the options against the strategy at setup; on CUDA,
+    turns on torch async TP for the strategy's tp mesh; sets the pipeline send/receive options
+    (`overlap_p2p_comm`, `batch_p2p_comm`; None: the schedule's default) on the strategy's pipeline.
 
         trainer = pl.Trainer(strategy=MegatronStrategy(tensor_model_parallel_size=2, sequence_parallel=True),
                              callbacks=[MegatronCommOverlapCallback(tp_comm_overlap=True)])
@@ -174,6 +179,8 @@ class MegatronCommOverlapCallback(pl.Callback):
         tp_comm_overlap_rs: bool | None = None,
         tp_comm_bulk_dgrad: bool | None = None,
         tp_comm_bulk_wgrad: bool | None = None,
+        overlap_p2p_comm: bool | None = None,
+        batch_p2p_comm: bool | None = None,
     ) -> None:
         self.config = TPCommOverlapConfig(
             tp_comm_overlap,
@@ -184,6 +191,11 @@ class MegatronCommOverlapCallback(pl.Callback):
             tp_comm_bulk_dgrad,
             tp_comm_bulk_wgrad,
         )
+        self.p2p_options = {
+            key: value
+            for key, value in (("overlap_p2p_comm", overlap_p2p_comm), ("batch_p2p_comm", batch_p2p_comm))
+            if value is not None
+        }
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
@@ -193,3 +205,10 @@ class MegatronCommOverlapCallback(pl.Callback):
         self.config.validate(device_type, tensor_model_parallel_size, sequence_parallel)
         if self.config.overlaps_all_gather_and_reduce_scatter:
             enable_async_tensor_parallel(strategy.tensor_parallel_mesh.get_group().group_name)
+        if self.p2p_options:
+            if not isinstance(getattr(strategy, "pipeline_config", None), PipelineConfig):
+                raise ValueError(
+                    f"MegatronCommOverlapCallback({', '.join(f'{k}={v}' for k, v in self.p2p_options.items())}): "
+                    f"pipeline send/receive options need MegatronStrategy, not {type(strategy).__name__}"
+                )
+            strategy.pipeline_config = replace(strategy.pipeline_config, **self.p2p_options)  # validates

@@ -48,12 +48,13 @@ from nemo_ckpt.parallel.mesh import (
     TENSOR_PARALLEL_DIM,
     ParallelDims,
 )
-from nemo_ckpt.parallel.meta_init import materialize
+from nemo_ckpt.parallel.meta_init import default_generator, has_meta_tensors, materialize, record_init_rng_states
 from nemo_ckpt.parallel.pipeline import (
     MicroBatchGroups,
     PipelineConfig,
     PipelineRunner,
     PipelineSplittable,
+    StageGradientReducer,
     TiedWeight,
     check_pipeline_options,
     merge_pipeline_optimizer_state,
@@ -92,7 +93,8 @@ NEMO_UNSUPPORTED = {
     "pipeline_model_parallel_comm_backend": "the backend of pipeline send/recv; the process group's is used",
     "encoder_tensor_model_parallel_size": "tensor parallelism of an encoder (encoder-decoder models)",
     "encoder_pipeline_model_parallel_size": "pipeline stages of an encoder (encoder-decoder models)",
-    "moe_extended_tp": "experts sharded over tensor-parallel ranks; expert tensor parallelism is not implemented",
+    "moe_extended_tp": "Megatron's deprecated extended tensor parallelism of experts; set "
+    "expert_tensor_parallel_size (experts sharded over tp, or 1: whole on each tp rank)",
     "num_distributed_optimizer_instances": "replicas of Megatron's distributed optimizer; ZeRO-1 here is "
     "data_parallel_sharding_strategy='optim'",
     "data_sampler": "NeMo's MegatronDataSampler; the data module's sampler is used here",
@@ -146,7 +148,8 @@ class MegatronStrategy(DDPStrategy):
     `context_parallel_size`, `cp_comm_type`: sequences split over `cp`, ring attention
     (`nemo_ckpt/parallel/context_parallel.py`).
     `expert_model_parallel_size`: MoE experts split over that many ranks of dp x cp
-    (`nemo_ckpt/parallel/expert_parallel.py`); `expert_tensor_parallel_size`: None or 1 only.
+    (`nemo_ckpt/parallel/expert_parallel.py`); `expert_tensor_parallel_size`: with tensor parallelism, each expert
+    sharded over tp (None, the default, or `tensor_model_parallel_size`) or whole on every tp rank (1).
     `init_model_with_meta_device`: build the model on `meta` in `configure_model`, then materialize it module
     by module with `reset_parameters` while sharding, so no rank ever holds the whole model.
     bf16 mixed precision comes from the Trainer (`precision="bf16-mixed"`): fp32 parameters (the master
@@ -249,15 +252,12 @@ class MegatronStrategy(DDPStrategy):
                 "data_parallel_sharding_strategy='optim' (ZeRO-1); use 'no_shard', 'optim_grads' or "
                 "'optim_grads_params'"
             )
-        check_expert_parallel_options(
+        expert_tensor_parallel_size = check_expert_parallel_options(
             expert_model_parallel_size,
             expert_tensor_parallel_size,
             tensor_model_parallel_size,
+            pipeline_model_parallel_size,
             self.ddp_config.data_parallel_sharding_strategy,
-            {
-                "pipeline_model_parallel_size": pipeline_model_parallel_size,
-                "context_parallel_size": context_parallel_size,
-            },
         )
         self.pipeline_config = PipelineConfig(
             pipeline_model_parallel_size,
@@ -374,6 +374,12 @@ class MegatronStrategy(DDPStrategy):
                 "MegatronStrategy: precision='16-mixed' (fp16 with loss scaling) is not supported with sharded "
                 "gradients; use precision='bf16-mixed'"
             )
+        if precision == "16-mixed" and self.pipeline_config.enabled:
+            raise ValueError(
+                f"MegatronStrategy: precision='16-mixed' (fp16 with loss scaling) is not supported with "
+                f"pipeline_model_parallel_size={self.pipeline_config.pipeline_model_parallel_size} (the schedule's "
+                "backward does not scale the loss); use precision='bf16-mixed'"
+            )
         return torch.bfloat16 if precision == "bf16-mixed" else None
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
@@ -388,6 +394,8 @@ class MegatronStrategy(DDPStrategy):
         )
         moe_layers = self._split_experts(model)
         if self._expert_mesh is not None and not config.shards_parameters:
+            if self.tensor_model_parallel_size > 1:
+                apply_tensor_parallel(model, self.tensor_parallel_mesh, self.sequence_parallel, self.root_device)
             materialize(model, self.root_device)
             self._expert_grad_reducer = ExpertParallelGradReducer(
                 model.to(self.root_device),
@@ -435,16 +443,16 @@ class MegatronStrategy(DDPStrategy):
         if self.expert_model_parallel_size > 1:
             self._expert_mesh = dims.build_expert_mesh(self.root_device.type)
         dp_mesh = self.data_context_parallel_mesh
-        layers = apply_expert_parallel(model, self._expert_mesh, dp_mesh.get_group() if dp_mesh.size() > 1 else None)
+        layers = apply_expert_parallel(
+            model,
+            self._expert_mesh,
+            dp_mesh.get_group() if dp_mesh.size() > 1 else None,
+            expert_tensor_parallel=self.expert_tensor_parallel_size > 1,
+        )
         if self._expert_mesh is not None and not layers:
             raise ValueError(
                 f"MegatronStrategy(expert_model_parallel_size={self.expert_model_parallel_size}) needs a model with "
                 "experts (GPTConfig.num_moe_experts); set expert_model_parallel_size=1 for a dense model"
-            )
-        if layers and self.tensor_model_parallel_size > 1:
-            raise ValueError(
-                "MegatronStrategy: tensor_model_parallel_size > 1 with a mixture-of-experts model "
-                "(num_moe_experts) is not supported yet; use expert_model_parallel_size and data parallelism"
             )
         return layers
 
@@ -471,6 +479,8 @@ class MegatronStrategy(DDPStrategy):
                 f"method, as nemo_ckpt's GPTModel has); {type(model).__name__} has none"
             )
         config, dp_mesh = self.ddp_config, self.data_context_parallel_mesh
+        # on meta: each stage's modules start from the random state they would in the whole model
+        init_end = record_init_rng_states(model, self.root_device) if has_meta_tensors(model) else None
         stages = model.split_pipeline(self.pipeline_parallel_mesh, self.pipeline_config.virtual_size)
         if self.context_parallel_size > 1:  # after the split: the stages' attention runs as a ring over cp
             sequence_shards = self.tensor_model_parallel_size if self.sequence_parallel else 1
@@ -483,14 +493,20 @@ class MegatronStrategy(DDPStrategy):
         else:
             materialize(model, self.root_device)
             model.to(self.root_device)
-            if dp_mesh.size() > 1:  # gradients of all micro-batches are averaged over dp after the schedule
-                self._tensor_parallel_grad_reducer = GradientAllReducer(model, dp_mesh.get_group(), False)
+        if init_end is not None:
+            default_generator(self.root_device).set_state(init_end)  # where building the whole model leaves it
         self._tied_weight = tied_weight(model, self.device_mesh, PIPELINE_PARALLEL_DIM)
         if self._tied_weight is not None:
             self._tied_weight.broadcast()
         trainer = self.lightning_module.trainer
         num_microbatches = trainer.accumulate_grad_batches  # the pipeline runs them in one step
         trainer.accumulate_grad_batches = 1
+        if not config.shards_parameters and dp_mesh.size() > 1:  # FSDP2 stages reduce in the schedule
+            self._tensor_parallel_grad_reducer = (
+                StageGradientReducer(stages, dp_mesh.get_group(), num_microbatches)
+                if config.overlap_grad_reduce  # each stage's bucket while the other stages compute
+                else GradientAllReducer(model, dp_mesh.get_group(), False)  # all at once after the schedule
+            )
         pp_mesh = self.pipeline_parallel_mesh
         self._pipeline = PipelineRunner(
             self.pipeline_config, stages, pp_mesh, self.root_device, num_microbatches, model.pipeline_loss
@@ -609,7 +625,9 @@ class MegatronStrategy(DDPStrategy):
         if self._expert_mesh is not None:
             expert_replica_mesh = self._expert_mesh[EXPERT_DATA_PARALLEL_DIM]
             complete_expert_param_groups(sharded, self.lightning_module)
-        shard_expert_scalar_state(sharded, expert_replica_mesh.get_local_rank())
+        tp_mesh = self.tensor_parallel_mesh  # the tp ranks hold copies of the experts' scalar state too
+        replica_id = expert_replica_mesh.get_local_rank() * tp_mesh.size() + tp_mesh.get_local_rank()
+        shard_expert_scalar_state(sharded, replica_id)
         return sharded
 
     def sharded_state_dict(self) -> dict[str, Any]:

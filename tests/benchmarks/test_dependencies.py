@@ -10,7 +10,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPTS = ["ckpt_bench.py", "data_bench.py", "step_bench.py", "tp_bench.py", "checksum_bench.py", "moe_bench.py"]
 SCRIPTS += ["disk_ceiling.py", "train_ckpt_bench.py"]
-SCRIPTS += ["cp_bench.py"]
+SCRIPTS += ["cp_bench.py", "pp_bench.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -209,7 +209,7 @@ def test_hung_rank_fails_the_job_within_the_timeout_and_the_retry_resumes(
     `retries=2`: on a loaded machine node1's slurmd can be so late cleaning up the first attempt that its terminate
     order for the job (same job id) kills the first retry on node1; the next retry then runs (seen with Slurm 22.05).
     """
-    timeout_s, max_steps = 60, 120
+    timeout_s, max_steps = 30, 120
     log_dir = tmp_path / "runs"
     recipe = tiny(log_dir, nodes=2, max_steps=max_steps, every=10)
     recipe.trainer.strategy.timeout = run.Config(timedelta, seconds=timeout_s)
@@ -219,7 +219,7 @@ def test_hung_rank_fails_the_job_within_the_timeout_and_the_retry_resumes(
     os.kill(worker_pid(job_id, node_id=1), signal.SIGSTOP)
     stopped = time.monotonic()
     while two_node_cluster.job(job_id)["Restarts"] == "0":
-        assert time.monotonic() - stopped < 2 * timeout_s, f"still running: {two_node_cluster.job(job_id)}"
+        assert time.monotonic() - stopped < 3 * timeout_s, f"still running: {two_node_cluster.job(job_id)}"
         time.sleep(0.2)
     info = two_node_cluster.wait(job_id, timeout=300)
 
@@ -227,7 +227,7 @@ def test_hung_rank_fails_the_job_within_the_timeout_and_the_retry_resumes(
     log = joined(job_log(job_dir, job_id))
     assert info["JobState"] == "COMPLETED" and restarts in (1, 2), log
     first, *_, second = attempts(log, job_id)
-    assert "Timed out waiting 60000ms" in first, first[-3000:]
+    assert f"Timed out waiting {timeout_s * 1000}ms" in first, first[-3000:]
     resumed = int(re.search(r"Restoring states from the checkpoint path at \S+?step=(\d+)", second)[1])
     assert resumed >= saved
     assert f"`Trainer.fit` stopped: `max_steps={max_steps}` reached." in second

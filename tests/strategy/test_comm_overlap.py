@@ -1,9 +1,15 @@
-"""TP communication-overlap options: accepted with NeMo's names, GPU-only ones rejected on CPU."""
+"""Communication-overlap options: TP ones accepted with NeMo's names, GPU-only ones rejected on CPU; pipeline
+send/receive ones set on the strategy's pipeline or rejected where they cannot take effect."""
+
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from nemo_ckpt.strategy import MegatronStrategy
 from nemo_ckpt.strategy.comm_overlap import (
     BulkOverlapCfg,
+    MegatronCommOverlapCallback,
     RingExchangeOverlapCfg,
     TPCommOverlapConfig,
     TransformerLayerTPOverlapCfg,
@@ -75,3 +81,50 @@ def test_overlap_that_cannot_be_provided_on_cuda_is_rejected(options, tensor_par
 def test_unknown_bootstrap_backend_is_rejected():
     with pytest.raises(ValueError, match=r"tp_comm_bootstrap_backend='ucx' is unknown; choose one of"):
         TPCommOverlapConfig(tp_comm_bootstrap_backend="ucx")
+
+
+def set_up(callback: MegatronCommOverlapCallback, **strategy_options: int) -> MegatronStrategy:
+    strategy = MegatronStrategy(**strategy_options)
+    strategy.parallel_devices = [torch.device("cpu")]
+    callback.setup(SimpleNamespace(strategy=strategy), None, "fit")
+    return strategy
+
+
+def test_p2p_options_reach_the_strategy_s_pipeline():
+    strategy = set_up(
+        MegatronCommOverlapCallback(overlap_p2p_comm=False),
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+    )
+    assert not strategy.pipeline_config.overlaps_p2p and not strategy.pipeline_config.batches_p2p
+    strategy = set_up(MegatronCommOverlapCallback(batch_p2p_comm=False), pipeline_model_parallel_size=2)
+    assert strategy.pipeline_config.schedule_name == "1f1b" and not strategy.pipeline_config.batches_p2p
+    defaults = set_up(MegatronCommOverlapCallback(), pipeline_model_parallel_size=2).pipeline_config
+    assert defaults.batches_p2p and not defaults.overlaps_p2p
+
+
+@pytest.mark.parametrize(
+    "callback_options, strategy_options, message",
+    [
+        ({"batch_p2p_comm": True}, {}, r"batch_p2p_comm=True: pipeline send/receive options need pipeline_model"),
+        ({"overlap_p2p_comm": True}, {"pipeline_model_parallel_size": 2}, r"interleaved schedule only \(the '1f1b'"),
+        (
+            {"batch_p2p_comm": True},
+            {"pipeline_model_parallel_size": 2, "pipeline_schedule": "gpipe"},
+            r"1f1b schedule only \(gpipe never sends and receives in the same step\)",
+        ),
+        (
+            {"batch_p2p_comm": True},
+            {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+            r"1f1b schedule only \(torch's interleaved runtime posts each send and receive on its own\)",
+        ),
+        (
+            {"batch_p2p_comm": True, "overlap_p2p_comm": True},
+            {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+            r"cannot be batched \(Megatron's rule\); set batch_p2p_comm=False",
+        ),
+    ],
+)
+def test_p2p_options_that_cannot_take_effect_are_rejected(callback_options, strategy_options, message):
+    with pytest.raises(ValueError, match=message):
+        set_up(MegatronCommOverlapCallback(**callback_options), **strategy_options)

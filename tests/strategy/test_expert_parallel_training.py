@@ -1,10 +1,11 @@
 """Training a MoE GPT with experts split over ranks: loss parity with one process, and checkpoints that resume
 under another expert-parallel size with identical weights and optimizer state.
 
-Three spawns, processes reused for several runs: 2 ranks (EP=2 dropless for 20 steps; capacity-limited EP=2 and
-EP=1 for 10; the chain's first leg EP=2 -> step 6), 1 process (the reference; the chain's EP=1 leg -> step 12), 4 ranks
-(EP=2 x DP=2 on FSDP2 for 20 steps; the chain's EP=4 leg). Capacity drops tokens per micro-batch (as in
-Megatron-Core), so its reference is EP=1 on the same 2 ranks, which see the same micro-batches.
+Three spawns, processes reused for several runs: 2 ranks (EP=2 dropless for 20 steps; EP=2 over the two ranks of
+CP=2 for 20; capacity-limited EP=2 and EP=1 for 10; the chain's first leg EP=2 -> step 6), 1 process (the
+reference; the chain's EP=1 leg -> step 12), 4 ranks (EP=2 x DP=2 on FSDP2 for 20 steps; the chain's EP=4
+leg). Capacity drops tokens per micro-batch (as in Megatron-Core), so its reference is EP=1 on the same 2 ranks,
+which see the same micro-batches.
 """
 
 from pathlib import Path
@@ -26,6 +27,9 @@ ZERO1 = DistributedDataParallelConfig(data_parallel_sharding_strategy="optim")
 def two_ranks(rank: int, world_size: int, directory: Path) -> dict[str, list[float]]:
     return {
         "ep2": fit(world_size, {}, MAX_STEPS, model_overrides=MOE, expert_model_parallel_size=2),
+        "ep2_cp2": fit(
+            world_size, {}, MAX_STEPS, model_overrides=MOE, expert_model_parallel_size=2, context_parallel_size=2
+        ),
         "capacity_ep2": fit(
             world_size, {}, MAX_STEPS, stop_at=10, model_overrides=CAPACITY, expert_model_parallel_size=2
         ),
@@ -77,6 +81,11 @@ def test_ep2_matches_one_process(runs):
     assert losses["reference"][-1] < losses["reference"][0] - 0.5  # it learns
 
 
+def test_ep2_over_context_parallel_ranks_matches_one_process(runs):
+    _, losses = runs
+    assert_same_losses(losses["ep2_cp2"], losses["reference"])
+
+
 def test_ep2_with_capacity_matches_replicated_experts(runs):
     _, losses = runs
     assert_same_losses(losses["capacity_ep2"], losses["capacity_ep1"])
@@ -100,10 +109,21 @@ def test_resume_chain_ep2_ep1_ep4(runs):
     ("options", "message"),
     [
         ({"expert_model_parallel_size": 0}, "expert_model_parallel_size=0\\): use 1 or more"),
-        ({"expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size=2\\): tensor parallelism within experts"),
         (
-            {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2},
-            "expert_model_parallel_size > 1 with tensor_model_parallel_size > 1 is not supported yet",
+            {"expert_tensor_parallel_size": 2},
+            "expert_tensor_parallel_size=2\\) with tensor_model_parallel_size=1: experts are sharded",
+        ),
+        (
+            {"expert_tensor_parallel_size": 2, "tensor_model_parallel_size": 4},
+            "expert_tensor_parallel_size=2\\) with tensor_model_parallel_size=4: .* other sizes are not supported",
+        ),
+        (
+            {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "expert_tensor_parallel_size": 1},
+            "expert_tensor_parallel_size=1\\) with pipeline_model_parallel_size > 1 is not supported yet",
+        ),
+        (
+            {"expert_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+            "pipeline_model_parallel_size > 1 with expert_model_parallel_size > 1 is not supported yet",
         ),
         (
             {"expert_model_parallel_size": 2, "ddp": ZERO1},
@@ -114,3 +134,10 @@ def test_resume_chain_ep2_ep1_ep4(runs):
 def test_bad_expert_options_fail_at_configuration(options, message):
     with pytest.raises(ValueError, match=message):
         MegatronStrategy(**options)
+
+
+def test_expert_tensor_parallel_size_defaults_to_the_tensor_parallel_size():
+    """As in Megatron-Core: experts sharded like the dense layers unless expert_tensor_parallel_size=1."""
+    sharded = MegatronStrategy(tensor_model_parallel_size=2, expert_model_parallel_size=2)
+    whole = MegatronStrategy(tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+    assert (sharded.expert_tensor_parallel_size, whole.expert_tensor_parallel_size) == (2, 1)

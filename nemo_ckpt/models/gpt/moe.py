@@ -17,16 +17,25 @@ depend on the expert-parallel size. A rank runs its experts one after another on
 (on GPU, a grouped GEMM such as `torch._grouped_mm` or Transformer Engine's GroupedLinear would do it in one
 kernel); with expert parallelism, tokens travel to the experts' ranks by all-to-all
 (`nemo_ckpt.parallel.expert_parallel`).
+
+With tensor parallelism (the GPT's plan, `nemo_ckpt.models.gpt.parallelize`), every tp rank routes the same
+tokens (the layer's input is gathered over tp) with a replicated router; each expert is either sharded like the
+dense MLP (`expert_tensor_parallel`: Megatron's expert_tensor_parallel_size = tensor_model_parallel_size), its
+outputs partial sums over tp, or held whole by every tp rank (expert_tensor_parallel_size = 1).
+`TensorParallelOutput` then brings the routed output to the layout of the activations between blocks.
 """
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
 from nemo_ckpt.parallel.expert_parallel import combine, dispatch
 
@@ -173,10 +182,35 @@ class GroupedExperts(nn.ModuleDict):
         return torch.cat([expert(block) for expert, block in zip(self.values(), blocks)])
 
 
+@dataclass(frozen=True)
+class TensorParallelOutput:
+    """The routed output's layout over the `mesh` (tp) ranks, `Partial` (experts sharded) or `Replicate` (whole
+    experts), and the layout the layer's output needs (`Shard(1)` with sequence parallelism, else `Replicate`)."""
+
+    mesh: DeviceMesh
+    routed: Placement
+    output: Placement
+
+    def __call__(self, routed: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the routed output [batch, seq, hidden] in the output layout (a reduction over tp
+        of partial sums, a sequence shard of a replicated output)."""
+        tensor = DTensor.from_local(routed, self.mesh, [self.routed], run_check=False)
+        return tensor.redistribute(self.mesh, [self.output]).to_local()
+
+    def routing_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """`probs` that weight the experts' outputs: the same values; with partial outputs, their gradients summed
+        over tp (each rank's part of d loss / d probs comes from its partial sums)."""
+        if not self.routed.is_partial():
+            return probs
+        tensor = DTensor.from_local(probs, self.mesh, [Replicate()], run_check=False)
+        return tensor.to_local(grad_placements=[Partial()])
+
+
 class MoELayer(nn.Module):
     """Routed SwiGLU experts (plus a shared expert): hidden [batch, seq, hidden] -> the same shape.
 
     `make_mlp(ffn_hidden_size)` builds one SwiGLU MLP (the GPT's `MLP`), used for every expert and the shared one.
+    `expert_tensor_parallel`: with tensor parallelism, shard each expert over tp (else every tp rank holds it whole).
     """
 
     def __init__(self, config: Any, make_mlp: Callable[[int], nn.Module]) -> None:
@@ -191,6 +225,8 @@ class MoELayer(nn.Module):
             self.shared_experts = make_mlp(config.moe_shared_expert_intermediate_size)
         self.data_parallel_group: dist.ProcessGroup | None = None
         self.expert_parallel_group: dist.ProcessGroup | None = None
+        self.expert_tensor_parallel = True
+        self.tensor_parallel_output: TensorParallelOutput | None = None
         self.last_metrics: dict[str, torch.Tensor] = {}
 
     @property
@@ -208,6 +244,12 @@ class MoELayer(nn.Module):
         for key in list(self.experts):
             if int(key) not in expert_ids:
                 del self.experts[key]
+
+    def set_tensor_parallel(self, tp_mesh: DeviceMesh, output_placement: Placement) -> None:
+        """Run over `tp_mesh` (the tensor-parallel plan has placed the parameters); the layer's output goes out
+        in `output_placement`, the routed experts' partial (sharded) or whole outputs reduced or split to it."""
+        routed = Partial() if self.expert_tensor_parallel else Replicate()
+        self.tensor_parallel_output = TensorParallelOutput(tp_mesh, routed, output_placement)
 
     def _global_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.data_parallel_group is not None and self.data_parallel_group.size() > 1:
@@ -259,6 +301,8 @@ class MoELayer(nn.Module):
         by_expert = routing_map.t()
         token_ids = torch.arange(tokens.shape[0], device=tokens.device).expand_as(by_expert)[by_expert]
         pair_probs = probs.t()[by_expert]
+        if self.tensor_parallel_output is not None:
+            pair_probs = self.tensor_parallel_output.routing_probs(pair_probs)
         tokens_per_expert = by_expert.sum(dim=1)
         permuted = tokens[token_ids]
         if self.expert_parallel_group is None:
@@ -268,11 +312,12 @@ class MoELayer(nn.Module):
             local_output = self.experts(received, dispatched.received_counts.sum(dim=0).tolist())
             expert_output = combine(local_output, dispatched, self.expert_parallel_group)
         weighted = expert_output * pair_probs.unsqueeze(1).to(expert_output.dtype)
-        output = torch.zeros_like(tokens).index_add(0, token_ids, weighted.to(tokens.dtype))
+        output = torch.zeros_like(tokens).index_add(0, token_ids, weighted.to(tokens.dtype)).view_as(hidden)
+        if self.tensor_parallel_output is not None:
+            output = self.tensor_parallel_output(output)
         if self.shared_experts is not None:
-            output = output + self.shared_experts(tokens)
-        output = self._router_losses(logits, routing_map, tokens_per_expert, output)
-        return output.view_as(hidden)
+            output = output + self.shared_experts(hidden)
+        return self._router_losses(logits, routing_map, tokens_per_expert, output)
 
 
 def moe_metrics(model: nn.Module) -> dict[str, torch.Tensor]:

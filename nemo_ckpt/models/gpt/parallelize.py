@@ -8,13 +8,17 @@ hold `Replicate` weights. A linear layer carrying LoRA adapters places them like
 `LoRALinear.tensor_parallel_placements`). Every parameter becomes a DTensor on the `tp` mesh, so FSDP
 (`fully_shard` on the `dp` mesh) composes on top and gradient clipping sees one mesh.
 
+A mixture-of-experts layer (`MoELayer`) gets its input gathered like the dense MLP; its router is replicated,
+its shared expert is split like the dense MLP, and its routed experts are split the same way with their outputs
+left as partial sums (`expert_tensor_parallel`) or replicated whole (`moe_layer_plan`).
+
     mesh = build_device_mesh("cpu", tensor_model_parallel_size=2)
     parallelize_gpt(model, mesh["tp"], sequence_parallel=True)
 """
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -26,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from nemo_ckpt.models.gpt.model import GPT, GPTConfig
+from nemo_ckpt.models.gpt.moe import MoELayer
 from nemo_ckpt.parallel.tensor_parallel import ReplicateParallel
 
 
@@ -116,7 +121,65 @@ def tensor_parallel_plan(config: GPTConfig, sequence_parallel: bool) -> dict[str
     else:
         plan["final_layernorm"] = norm()
         plan["output_layer"] = LinearColwiseParallel(input_layouts=activations, output_layouts=Replicate())
+    if config.num_moe_experts:  # dense and MoE layers: each layer's MLP gets the plan of its kind
+        plan = {path: style for path, style in plan.items() if not path.startswith("layers.*.mlp")}
+        plan["layers.*.mlp"] = FeedForwardParallel(activations)
     return plan
+
+
+def moe_layer_plan(layer: MoELayer, tp_size: int, activations: Placement) -> dict[str, ParallelStyle]:
+    """Parallel styles inside a `MoELayer` whose input is gathered over tp: a replicated router, a shared expert
+    split like the dense MLP, routed experts split the same way with partial-sum outputs (reduced by the layer,
+    `MoELayer.set_tensor_parallel`) or, without `expert_tensor_parallel`, replicated whole."""
+    config = layer.config
+    sizes = {"moe_shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size or 0}
+    if layer.expert_tensor_parallel:
+        sizes = {"moe_ffn_hidden_size": config.moe_ffn_hidden_size or config.ffn_hidden_size, **sizes}
+    for name, size in sizes.items():
+        if size % tp_size:
+            raise ValueError(
+                f"GPTConfig.{name}={size} is not divisible by tensor_model_parallel_size={tp_size}: each "
+                f"tensor-parallel rank holds {name} / {tp_size} of the expert; choose sizes that divide it"
+                + (", or set expert_tensor_parallel_size=1" if name == "moe_ffn_hidden_size" else "")
+            )
+    experts: dict[str, ParallelStyle] = {
+        "gate_proj": LinearColwiseParallel(),
+        "up_proj": LinearColwiseParallel(),
+        "down_proj": LinearRowwiseParallel(output_layouts=Partial()),
+    }
+    if not layer.expert_tensor_parallel:
+        experts = {name: ReplicateParallel() for name in experts}
+    plan = {"router": ReplicateParallel(), **{f"experts.*.{name}": style for name, style in experts.items()}}
+    if layer.shared_experts is not None:
+        plan["shared_experts.gate_proj"] = LinearColwiseParallel()
+        plan["shared_experts.up_proj"] = LinearColwiseParallel()
+        plan["shared_experts.down_proj"] = LinearRowwiseParallel(output_layouts=activations)
+    return plan
+
+
+class FeedForwardParallel(ParallelStyle):
+    """A transformer layer's MLP, dense or `MoELayer`: its input gathered over tp, then the plan of its kind;
+    its output in `activations` (`Shard(1)` with sequence parallelism, else `Replicate`)."""
+
+    def __init__(self, activations: Placement) -> None:
+        super().__init__()
+        self.activations = activations
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        gather = PrepareModuleInput(
+            input_layouts=(self.activations,), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
+        parallelize_module(module, device_mesh, gather)
+        if not isinstance(module, MoELayer):
+            plan = {
+                "gate_proj": LinearColwiseParallel(),
+                "up_proj": LinearColwiseParallel(),
+                "down_proj": LinearRowwiseParallel(output_layouts=self.activations),
+            }
+            return parallelize_module(module, device_mesh, plan)
+        parallelize_module(module, device_mesh, moe_layer_plan(module, device_mesh.size(), self.activations))
+        module.set_tensor_parallel(device_mesh, self.activations)
+        return module
 
 
 def parallelize_gpt(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> GPT:
