@@ -137,10 +137,6 @@ def test_bf16_context_parallel_training_follows_one_process(chain):
     [
         ({"context_parallel_size": 0}, r"context_parallel_size=0\): use 1 or more"),
         ({"context_parallel_size": 2, "cp_comm_type": "a2a"}, r"cp_comm_type='a2a' is not supported"),
-        (
-            {"context_parallel_size": 2, "expert_model_parallel_size": 2},
-            r"context_parallel_size > 1 with expert_model_parallel_size > 1 is not supported yet",
-        ),
     ],
 )
 def test_bad_context_parallel_options_fail_at_configuration(options: dict[str, Any], message: str):
