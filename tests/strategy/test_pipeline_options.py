@@ -1,8 +1,9 @@
 """Pipeline parallelism with the options it composes with (Lightning, 2 gloo ranks, PP=2 1F1B, the tiny GPT with 4
-layers, 4 micro-batches a step): `pipeline_dtype`, bf16 mixed precision, meta-device init, activation recompute
-and fp16 mixed precision.
+layers, 4 micro-batches a step): `pipeline_dtype`, bf16 mixed precision, meta-device init, activation recompute,
+tied embeddings and fp16 mixed precision.
 
-All PP=2 runs share one pair of processes (`pipeline_runs`); the single-process bf16 reference runs in its own.
+All PP=2 runs share one pair of processes (`pipeline_runs`); the single-process references (bf16, tied
+embeddings) run in one of their own (`one_process_runs`).
 """
 
 import math
@@ -26,6 +27,8 @@ STEPS = 4
 MODEL = {"num_layers": 4}
 PP2 = {"pipeline_model_parallel_size": 2}
 MICRO_BATCH_SIZE = 1  # global batch 4: 4 micro-batches a step
+TIED = {"share_embeddings_and_output_weights": True}  # embedding on stage 0, its copy in the output layer on stage 1
+TIED_STEPS = 20
 
 
 class RecordPipeline(pl.Callback):
@@ -115,6 +118,9 @@ def train_pipelined(rank: int, world_size: int) -> dict[str, Any]:
         "bf16_sent": pipeline_run(world_size, precision="bf16-mixed", pipeline_dtype="bf16"),
         "meta": pipeline_run(world_size, init_model_with_meta_device=True),
         "recompute": pipeline_run(world_size, model={"recompute_granularity": "full"}),
+        "tied": fit(
+            world_size, {}, TIED_STEPS, model_overrides={**MODEL, **TIED}, micro_batch_size=MICRO_BATCH_SIZE, **PP2
+        ),
         "fp16": fp16_error(world_size),  # fails on both ranks at the same point
         "fp32_sending_bf16": fp32_sending_bf16(world_size),  # last: may fail on one rank only
     }
@@ -144,19 +150,31 @@ class StepMeanLoss(pl.Callback):
             self.step_sum = 0.0
 
 
-def train_one_process_bf16(rank: int, world_size: int) -> list[float]:
+def one_process_losses(world_size: int, steps: int, precision: str, model: dict) -> list[float]:
     """The pipeline runs' micro-batches (4 of 1 sequence a step) on one process, by gradient accumulation."""
     recorder = StepMeanLoss()
     fit(
         world_size,
         {},
-        STEPS,
-        precision="bf16-mixed",
-        model_overrides=MODEL,
+        steps,
+        precision=precision,
+        model_overrides={**MODEL, **model},
         callbacks=[recorder],
         micro_batch_size=MICRO_BATCH_SIZE,
     )
     return recorder.losses
+
+
+def train_one_process(rank: int, world_size: int) -> dict[str, list[float]]:
+    return {
+        "bf16_mixed": one_process_losses(world_size, STEPS, "bf16-mixed", {}),
+        "tied": one_process_losses(world_size, TIED_STEPS, "32-true", TIED),
+    }
+
+
+@pytest.fixture(scope="module")
+def one_process_runs() -> dict[str, list[float]]:
+    return run_distributed(train_one_process, 1)[0]
 
 
 @pytest.fixture(scope="module")
@@ -193,9 +211,9 @@ def test_pipeline_dtype_bf16_with_fp32_compute_follows_fp32(pipeline_runs):
     assert first["losses"] == pytest.approx(pipeline_runs[0]["fp32"]["losses"], rel=0, abs=2e-3)
 
 
-def test_bf16_mixed_precision_trains_in_bf16_like_one_process(pipeline_runs):
+def test_bf16_mixed_precision_trains_in_bf16_like_one_process(pipeline_runs, one_process_runs):
     first, last = pipeline_runs
-    [one_process] = run_distributed(train_one_process_bf16, 1)
+    one_process = one_process_runs["bf16_mixed"]
     assert first["bf16_mixed"]["compute"] == last["bf16_mixed"]["compute"] == {torch.bfloat16}
     losses, fp32 = first["bf16_mixed"]["losses"], first["fp32"]["losses"]
     # The same micro-batches (1 sequence) through the same bf16 kernels on one process and on two stages: only
@@ -258,3 +276,11 @@ def test_fp16_under_pipeline_is_rejected_naming_the_option_and_the_fix(pipeline_
         assert rank["fp16"].startswith("ValueError: ")
         for part in ("precision='16-mixed'", "pipeline_model_parallel_size", "bf16-mixed"):
             assert part in rank["fp16"]
+
+
+def test_tied_embeddings_under_pipeline_train_like_one_process(pipeline_runs, one_process_runs):
+    """The first stage's embedding and the last stage's output-layer copy start equal and get the summed gradient
+    every step: 20 steps within 1e-5 of one process."""
+    for rank in pipeline_runs:
+        assert len(rank["tied"]) == TIED_STEPS
+        assert rank["tied"] == pytest.approx(one_process_runs["tied"], rel=0, abs=1e-5)
