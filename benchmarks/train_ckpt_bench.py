@@ -34,7 +34,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from results import check_dependencies, join_process_group, write_section
+from results import check_dependencies, join_process_group, measurement_trainer, write_section
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -142,20 +142,7 @@ def worker(
             )
             callbacks.append(checkpoint)
         steps = WARMUP_STEPS + every * checkpoints + every // 2
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=ranks,
-            strategy=strategy,
-            max_steps=steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            callbacks=callbacks,
-        )
+        trainer = measurement_trainer(ranks, strategy, steps, callbacks)
         rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         trainer.fit(model, datamodule=data)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
