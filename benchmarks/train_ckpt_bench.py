@@ -7,9 +7,12 @@ Configurations, interleaved (rotated order per repetition), each in fresh proces
 async saves; async + parallel saves (`ckpt_parallel_save` and `ckpt_parallel_save_optim`: the replicated DDP
 state is written once, each rank its half). All with `ckpt_assume_constant_structure` and 2 writer threads per
 rank, the data-parallel `no_shard` layout (DDP), AdamW, 1 torch thread per rank. Measured, on the slowest rank:
-- step time: every step's wall time (after warm-up), median and the slowest step;
+- step time: every step's wall time (after warm-up) up to the next step's start, so with the checkpoint callback
+  and the save it runs; median and the slowest step;
 - time lost per checkpoint: (training time - the no-checkpoint run's) / number of checkpoints, training time
   being from the first measured step's start to the last step's end (the last save is finished inside it);
+  and, free of the run-to-run drift of this figure, the steps' excess over their own run's median step
+  (sum of step time - median step, over the run's steps, / checkpoints; the no-checkpoint row is its floor);
 - time to commit: from the save's start to its commit (the directory renamed, the manifest updated);
 - staging memory: peak resident memory added per rank against the no-checkpoint run;
 - the baseline of the async target: copying the model + optimizer state into preallocated memory.
@@ -19,6 +22,7 @@ Medians over repetitions. Writes `## Checkpoints during training` in benchmarks/
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import resource
@@ -156,8 +160,10 @@ def worker(
         per_rank: list[Any] = [None] * ranks
         dist.all_gather_object(per_rank, (measure.starts, measure.ends, peak, state_bytes, copy, commits))
         if rank == 0:
+            # a step: from its start to the next one's (the checkpoint callback runs in between), the last to its end
             step_times = [
-                max(end[i] - start[i] for start, end, *_ in per_rank) for i in range(WARMUP_STEPS, len(measure.ends))
+                max((start[i + 1] if i + 1 < len(start) else end[i]) - start[i] for start, end, *_ in per_rank)
+                for i in range(WARMUP_STEPS, len(measure.ends))
             ]
             results[name] = {
                 "train": max(end[-1] - start[WARMUP_STEPS] for start, end, *_ in per_rank),
@@ -204,16 +210,19 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
     state_gib = base[0]["state_bytes"] / 2**30
     lines = [
         "| configuration | median step s | slowest step s | lost per checkpoint s | lost / copy to preallocated "
-        "| lost / interval at N=50 | time to commit s | peak memory added / rank GiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| lost / interval at N=50 | step excess per checkpoint s | excess / copy | time to commit s "
+        "| peak memory added / rank GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in measured.items():
         train = statistics.median(r["train"] for r in runs)
         median_step = statistics.median(statistics.median(r["steps"]) for r in runs)
         slowest = statistics.median(max(r["steps"]) for r in runs)
         peak = statistics.median(r["peak"] for r in runs) - base_peak
+        excess = statistics.median(sum(s - statistics.median(r["steps"]) for s in r["steps"]) for r in runs)
+        excess /= checkpoints
         if name == "no checkpoint":
-            cells = [name, f"{median_step:.3f}", f"{slowest:.3f}", "", "", "", "", "0 (baseline)"]
+            cells = [name, f"{median_step:.3f}", f"{slowest:.3f}", "", "", "", f"{excess:.2f}", "", "", "0 (baseline)"]
         else:
             lost = (train - base_train) / checkpoints
             commit = statistics.median(c for r in runs for c in r["commits"])
@@ -224,6 +233,8 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
                 f"{lost:.2f}",
                 f"{lost / copy:.2f}",
                 f"{lost / (50 * base_step):.1%}",
+                f"{excess:.2f}",
+                f"{excess / copy:.2f}",
                 f"{commit:.2f}",
                 f"{peak / 2**30:.2f}",
             ]
@@ -253,10 +264,13 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--note", default="", help="appended to the RESULTS.md section (machine, load)")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
+    parser.add_argument("--raw", type=Path, help="also write every run's measurements to this JSON file")
     args = parser.parse_args()
     MODEL["vocab_size"] = args.vocab_size
     names = ["no checkpoint"] + [name for name in args.configs if name != "no checkpoint"]
     measured = run(names, args.ranks, args.every, args.checkpoints, args.reps)
+    if args.raw:
+        args.raw.write_text(json.dumps(measured))
     text = report(measured, args.ranks, args.every, args.checkpoints, args.reps, args.note)
     print(text)
     if not args.no_write:

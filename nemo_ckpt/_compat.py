@@ -57,7 +57,7 @@ __all__ = [
     "redirect_logger",
     "storage_type_dtypes",
     "unbatched_1f1b_schedule",
-    "write_tensor_without_crc",
+    "write_tensor",
 ]
 
 StorageInfo = _StorageInfo
@@ -76,10 +76,12 @@ def dcp_write_item(stream: io.IOBase, data: torch.Tensor | io.BytesIO, item: Wri
     return _write_item(_StorageWriterTransforms(), stream, data, item, name, SerializationFormat.TORCH_SAVE)
 
 
-def write_tensor_without_crc(stream: io.IOBase, tensor: torch.Tensor) -> None:
-    """`torch.save(tensor, stream)` with zero CRC-32s, for this call only (torch's `compute_crc32=False` is a
-    process-wide setting)."""
-    writer = torch._C.PyTorchFileWriter(stream, False, torch.serialization._get_storage_alignment())
+def write_tensor(stream: io.IOBase, tensor: torch.Tensor, crc32: bool, storage_alignment: int | None = None) -> None:
+    """`torch.save(tensor, stream)` with or without the zip's CRC-32s and with the storage's bytes at a multiple of
+    `storage_alignment` from the save's start (default: torch's setting), for this call only (torch's
+    `compute_crc32` and `storage_alignment` are process-wide settings)."""
+    alignment = storage_alignment or torch.serialization._get_storage_alignment()
+    writer = torch._C.PyTorchFileWriter(stream, crc32, alignment)
     torch.serialization._save(tensor, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
     writer.write_end_of_file()
 

@@ -3,6 +3,7 @@ exists and does what nemo_ckpt relies on. Run these first after upgrading a depe
 
 import io
 import pickle
+import struct
 import zipfile
 
 import nemo_run as run
@@ -32,7 +33,7 @@ def test_versions_are_the_tested_ones():
     _compat._check_versions()
 
 
-def test_dcp_write_item_and_crc_free_tensor_write_give_loadable_torch_saves():
+def test_dcp_write_item_and_our_tensor_write_give_loadable_torch_saves():
     tensor = torch.arange(12.0).view(3, 4)
     stream = io.BytesIO()
     result = _compat.dcp_write_item(stream, tensor, _write_item(tensor), "__0_0.distcp")
@@ -40,11 +41,17 @@ def test_dcp_write_item_and_crc_free_tensor_write_give_loadable_torch_saves():
     assert (result.storage_data.offset, result.storage_data.length) == (0, len(stream.getvalue()))
     assert torch.equal(torch.load(io.BytesIO(stream.getvalue())), tensor)
 
-    raw = io.BytesIO()
-    _compat.write_tensor_without_crc(raw, tensor)
-    assert torch.equal(torch.load(io.BytesIO(raw.getvalue())), tensor)
-    with zipfile.ZipFile(io.BytesIO(raw.getvalue())) as archive:
-        assert {info.CRC for info in archive.infolist() if info.filename.endswith("/data/0")} == {0}
+    for crc32, alignment in ((False, None), (True, 4096)):
+        raw = io.BytesIO()
+        _compat.write_tensor(raw, tensor, crc32, alignment)
+        assert torch.equal(torch.load(io.BytesIO(raw.getvalue())), tensor)
+        with zipfile.ZipFile(io.BytesIO(raw.getvalue())) as archive:
+            (data,) = [info for info in archive.infolist() if info.filename.endswith("/data/0")]
+            assert data.CRC == (zipfile.crc32(tensor.numpy().tobytes()) if crc32 else 0)
+            name_length, extra_length = struct.unpack_from("<HH", raw.getvalue(), data.header_offset + 26)
+            start = data.header_offset + 30 + name_length + extra_length  # after the local header
+        if alignment:  # the storage's bytes start at a multiple of the alignment
+            assert start % alignment == 0 and raw.getvalue()[start : start + 48] == tensor.numpy().tobytes()
 
 
 def test_storage_type_dtypes_name_the_legacy_storages():

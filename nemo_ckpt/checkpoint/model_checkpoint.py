@@ -8,7 +8,8 @@ Life of a checkpoint (file-system changes by global rank 0 only; every step is a
    after every rank's data is written): rename `.tmp-<name>` to `<name>`; record it `complete`, make it
    `last` and mark checkpoints no longer kept `deleting`; point the `<name>-last` link at it;
 3. delete, after a broadcast that every rank passes only once the commit is visible: rename each `deleting`
-   checkpoint to `.trash-<name>`, remove it, drop its record.
+   checkpoint to `.trash-<name>.<id>`, drop its record; a background thread removes the trash (training does not
+   wait for the file system to free gigabytes; `teardown` waits for it).
 
 A crash at any point leaves every visible `<name>` complete; the next run's `on_train_start` finishes or rolls
 back whatever was in flight.
@@ -20,7 +21,9 @@ import os
 import shutil
 import string
 import time
+import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -148,6 +151,7 @@ class ModelCheckpoint(Callback):
         self._last_saved_path: Path | None = None
         self._last_save_time = time.monotonic()
         self._validation_ran = False
+        self._trash_remover: ThreadPoolExecutor | None = None
 
     # Lightning hooks
 
@@ -190,6 +194,11 @@ class ModelCheckpoint(Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.save(trainer, weights_only=not self.save_optim_on_train_end)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._trash_remover is not None:  # deleted checkpoints are gone when fit returns
+            self._trash_remover.shutdown(wait=True)
+            self._trash_remover = None
 
     # Saving
 
@@ -320,7 +329,7 @@ class ModelCheckpoint(Callback):
         """Publish a checkpoint that every rank has finished writing, then delete what is no longer kept."""
         stale = run_on_rank_zero(trainer, lambda: self._publish(record), f"ModelCheckpoint: committing {record.name}")
         if trainer.is_global_zero:
-            self._delete(stale)
+            self._delete(stale, background=True)
 
     def _publish(self, record: CheckpointRecord) -> list[str]:
         final, tmp = self.dirpath / record.name, self.dirpath / f"{TMP_PREFIX}{record.name}"
@@ -346,21 +355,31 @@ class ModelCheckpoint(Callback):
         log.info("ModelCheckpoint: saved %s (step %d)", final, record.step)
         return [stale_record.name for stale_record in stale]
 
-    def _delete(self, names: list[str]) -> None:
+    def _delete(self, names: list[str], background: bool = False) -> None:
+        """Drop the checkpoints `names`: renamed away and unrecorded now, their files removed now or (`background`)
+        by a thread of their own."""
         if not names:
             return
         try:
+            trash = []
             for name in names:
-                trash = self.dirpath / f"{TRASH_PREFIX}{name}"
                 if (self.dirpath / name).exists():
-                    os.replace(self.dirpath / name, trash)
-                shutil.rmtree(trash, ignore_errors=True)
+                    trash.append(self.dirpath / f"{TRASH_PREFIX}{name}.{uuid.uuid4().hex[:8]}")
+                    os.replace(self.dirpath / name, trash[-1])
             manifest = Manifest.read(self.dirpath)
             for name in names:
                 manifest.remove(name)
             manifest.write(self.dirpath)
         except OSError as error:
             log.warning("ModelCheckpoint: could not delete %s (%s); the next run will", names, error)
+            return
+        if background and self._trash_remover is None:
+            self._trash_remover = ThreadPoolExecutor(1, thread_name_prefix="ckpt-trash-remover")
+        for path in trash:
+            if background:
+                self._trash_remover.submit(shutil.rmtree, path, ignore_errors=True)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
 
     def _link_last(self, name: str | None) -> None:
         """Point `<name>-last` at `name` (atomically) and remove every other `-last` link."""

@@ -9,8 +9,10 @@ import json
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -238,3 +240,26 @@ def test_save_failing_after_its_commit_keeps_the_committed_checkpoint(tmp_path):
         ("step=2", "complete"),
         ("step=4", "complete"),
     ]
+
+
+def test_commit_leaves_removing_files_to_a_background_thread_and_teardown_waits_for_it(tmp_path, monkeypatch):
+    make_directory(tmp_path, record(2, loss=2.0), record(4, loss=1.0), last="step=4")
+    release, removing = threading.Event(), []
+    rmtree = shutil.rmtree
+
+    def slow_rmtree(path, ignore_errors=False):
+        removing.append(Path(path).name)
+        release.wait(30)
+        rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(shutil, "rmtree", slow_rmtree)
+    callback = ModelCheckpoint(dirpath=tmp_path, monitor="loss", save_top_k=1)
+    callback._delete(["step=2"], background=True)  # returns while the files are still being removed
+
+    assert [r.name for r in Manifest.read(tmp_path).checkpoints] == ["step=4"]
+    assert visible(tmp_path) == ["step=4", f"step=4{LAST_SUFFIX}"]
+    (trash,) = [p for p in tmp_path.iterdir() if p.name.startswith(f"{TRASH_PREFIX}step=2.")]
+    assert (trash / "weights").is_dir() and removing in ([], [trash.name])
+    release.set()
+    callback.teardown(None, None, "fit")
+    assert not trash.exists() and removing == [trash.name]

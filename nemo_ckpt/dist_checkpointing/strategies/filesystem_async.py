@@ -2,14 +2,15 @@
 
 1. `prepare_write_data` (training side): stage this rank's shards as CPU tensors (a copy for async
    saves, so training may change the originals; with `StagingBuffers` into the memory of the
-   previous save; GPU shards into pinned memory on a side stream, without blocking the host) and
-   split them into `thread_count` files.
+   previous save; CPU copies page-aligned, GPU shards into pinned memory on a side stream, without
+   blocking the host) and split them into `thread_count` files.
 2. `write` (any thread): waits for the GPU copies, then writes each file `__<rank>_<i>.distcp` by
-   its own thread, fsynced; every item
-   serialized as `torch.distributed.checkpoint.FileSystemWriter` does (a `torch.save` zip), with
-   or without the zip's CRC-32s (`torch.load` never checks them; computing them is most of a
-   save's CPU time). Each item's CRC32C is computed from the bytes it wrote while the file's fsync waits for
-   the disk, so the checksums cost CPU time the save would spend idle (see `integrity.py`).
+   its own thread, fsynced; every item serialized as `torch.distributed.checkpoint.FileSystemWriter`
+   does (a `torch.save` zip, at the offset DCP's metadata records), with or without the zip's CRC-32s
+   (`torch.load` never checks them; computing them is most of a save's CPU time). Page-aligned
+   tensors go to the disk with O_DIRECT, the rest through the page cache with early writeback
+   (`ItemFileStream`). Each item's CRC32C is computed from the bytes it wrote while the file's fsync
+   waits for the disk, so the checksums cost CPU time the save would spend idle (see `integrity.py`).
 3. `finish` (training side, collective): gather the write results; the coordinator writes DCP's
    `.metadata` (atomically, fsynced) and `checksums.json`. With a `MetadataCache`, ranks
    whose shards have the same structure as last time send nothing but their write results.
@@ -19,9 +20,12 @@ No planning collective is needed: the items are already deduplicated (main repli
 
 from __future__ import annotations
 
+import errno
 import io
+import mmap
 import os
 import pickle
+import sys
 import threading
 import uuid
 from collections.abc import Callable
@@ -29,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -42,13 +47,17 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..._compat import StorageInfo, dcp_write_item, write_tensor_without_crc
+from ..._compat import StorageInfo, dcp_write_item, write_tensor
 from ..core import CheckpointingException
 from ..integrity import CHECKSUMS_FNAME, FileRanges, checksum, file_checksum, write_checksums
 from .async_utils import AsyncRequest
 
 DCP_METADATA_FNAME = ".metadata"
 KEEP_BY_REFERENCE = 1 << 20
+WRITEBACK_BYTES = 32 << 20  # bytes written to a file after which the kernel is asked to start writing them out
+DIRECT_ALIGNMENT = 4096  # O_DIRECT: file offsets, lengths and memory addresses on (logical) block boundaries
+DIRECT_MIN_BYTES = 1 << 20  # tensors this large are written with O_DIRECT where their memory is aligned
+DIRECT_CHUNK = 64 << 20  # bytes per O_DIRECT write call
 ItemData = torch.Tensor | io.BytesIO
 
 
@@ -122,11 +131,21 @@ def _copy_into(data: dict, buffers: dict[MetadataIndex, torch.Tensor], copy: boo
         elif _needs_copy(value, copy):
             buffer = buffers.get(index)
             if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-                buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+                buffer = _staging_tensor(value)
             staged[index] = buffer.copy_(value, non_blocking=value.is_cuda)
         else:
             staged[index] = value
     return staged
+
+
+def _staging_tensor(like: torch.Tensor) -> torch.Tensor:
+    """An uninitialized CPU tensor for a copy of `like`: pinned for GPU tensors; for large CPU ones, memory that
+    starts on a page boundary (an anonymous mapping), so the writer can hand it to the disk with O_DIRECT."""
+    nbytes = like.numel() * like.element_size()
+    if like.is_cuda or nbytes < DIRECT_MIN_BYTES:
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
+    memory = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
+    return memory.view(like.dtype).view(like.shape)
 
 
 class DeviceToHostCopies:
@@ -242,26 +261,29 @@ class FileSystemWriterAsync:
 
     def _write_file(self, name: str, items: list[WriteItem]) -> list[WriteResult]:
         results, ranges, pieces = [], [], []
-        with open(self.checkpoint_dir / name, "wb") as file:
-            stream = DeferredErrorStream(file, keep_pieces=self.checksums is not None)
+        with ItemFileStream(self.checkpoint_dir / name, keep_pieces=self.checksums is not None) as stream:
             for item in items:
                 data = self.data[item.index]
+                start = stream.tell()
                 if isinstance(data, io.BytesIO):
                     data.seek(0)
-                if self.crc32 or isinstance(data, io.BytesIO):
                     results.append(dcp_write_item(stream, data, item, name))
                 else:
-                    results.append(_write_tensor_item_without_crc(stream, data, item, name))
+                    alignment = stream.align_for_direct_write(data)
+                    if stream.tell() > start:  # the padding before the item: a checksummed range of its own
+                        ranges.append((start, stream.tell() - start))
+                        pieces.append(stream.take_pieces())
+                    results.append(_write_tensor_item(stream, data, item, name, self.crc32, alignment))
                 info = results[-1].storage_data
                 ranges.append((info.offset, info.length))
                 pieces.append(stream.take_pieces())
             stream.raise_deferred_error()
-            file.flush()
+            stream.file.flush()
             if self.checksums is None:
-                os.fsync(file.fileno())
+                os.fsync(stream.file.fileno())
             else:  # the checksums' CPU time overlaps the disk time of the fsync
                 with ThreadPoolExecutor(1, thread_name_prefix="ckpt-file-fsync") as sync:
-                    synced = sync.submit(os.fsync, file.fileno())
+                    synced = sync.submit(os.fsync, stream.file.fileno())
                     self.checksums[name] = [[*span, checksum(item)] for span, item in zip(ranges, pieces)]
                     synced.result()
         return results
@@ -325,34 +347,102 @@ class FileSystemWriterAsync:
         write_checksums(self.checkpoint_dir, files)
 
 
-class DeferredErrorStream:
-    """A file whose failed write (disk full, I/O error) is raised after torch's zip writer is done with it.
+class ItemFileStream:
+    """The file a writer thread appends its items to, as the stream torch's zip writer writes into.
 
-    torch's zip writer turns a failed write into a C++ exception, and a second one from its destructor aborts
-    the process; here the first error is kept, later writes are dropped, and `raise_deferred_error` raises it.
-    With `keep_pieces`, the bytes written since the last `take_pieces` are kept for their checksum: pieces of
-    `KEEP_BY_REFERENCE` bytes or more by reference (the staged tensors' memory, alive until the file is written),
-    smaller ones (the zip's headers, which may be the writer's temporaries) as copies.
+    - Errors: a failed write (disk full, I/O error) is raised after torch's zip writer is done with the stream.
+      torch's writer turns a failed write into a C++ exception, and a second one from its destructor aborts the
+      process; here the first error is kept, later writes are dropped, and `raise_deferred_error` raises it.
+    - Checksums: with `keep_pieces`, the bytes written since the last `take_pieces` are kept for their checksum:
+      pieces of `KEEP_BY_REFERENCE` bytes or more by reference (the tensors' memory, alive until the file is
+      written), smaller ones (the zip's headers, which may be the writer's temporaries) as copies.
+    - O_DIRECT: a tensor whose memory starts on a page boundary (the async staging buffers) and that
+      `align_for_direct_write` placed on a block boundary of the file has its bytes written from memory to the
+      disk with O_DIRECT: no copy into the page cache, and next to no CPU time, which an async save's writer
+      would otherwise take from training. Where the file system refuses O_DIRECT, the page cache is used.
+    - Writeback: of the bytes that go through the page cache, every `WRITEBACK_BYTES` are handed to the disk
+      at once (`POSIX_FADV_DONTNEED`: on Linux it starts the writeback of the range's dirty pages and drops its
+      clean ones), so the disk works while the writer copies the next bytes, where otherwise writeback waits for
+      the closing fsync (or the kernel's dirty threshold, 10% of memory); the save leaves no page cache behind.
     """
 
-    def __init__(self, file: io.BufferedWriter, keep_pieces: bool = False) -> None:
-        self.file = file
+    def __init__(self, path: Path, keep_pieces: bool = False) -> None:
+        self.file = open(path, "wb")
+        self.direct_fd = _open_direct(path)
         self.error: OSError | None = None
-        self.position = file.tell()
+        self.position = 0
+        self.written_back = 0
         self.keep_pieces = keep_pieces
         self.pieces: list[memoryview | bytes] = []
 
+    def __enter__(self) -> ItemFileStream:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._close_direct()
+        self.file.close()
+
+    def align_for_direct_write(self, tensor: torch.Tensor) -> int | None:
+        """If `tensor`'s bytes can be written with O_DIRECT, pad the file with zeros to a block boundary and return
+        the storage alignment its `torch.save` zip must use; else None."""
+        storage = tensor.untyped_storage()
+        if self.direct_fd is None or storage.nbytes() < DIRECT_MIN_BYTES or storage.data_ptr() % DIRECT_ALIGNMENT:
+            return None
+        if self.position % DIRECT_ALIGNMENT:
+            self.write(bytes(-self.position % DIRECT_ALIGNMENT))
+        return DIRECT_ALIGNMENT
+
     def write(self, data) -> int:
-        view = memoryview(data)
+        view = memoryview(data).cast("B")
         if self.keep_pieces:
             self.pieces.append(view if view.nbytes >= KEEP_BY_REFERENCE else bytes(view))
         if self.error is None:
             try:
-                self.file.write(view)
+                direct = self._write_direct(view)
+                self._write_buffered(view[direct:], self.position + direct)
             except OSError as error:
                 self.error = error
         self.position += view.nbytes
         return view.nbytes
+
+    def _write_direct(self, view: memoryview) -> int:
+        """Write the whole blocks at the start of `view` with O_DIRECT, where memory and file offset allow it;
+        returns how many bytes (0: none)."""
+        head = view.nbytes - view.nbytes % DIRECT_ALIGNMENT
+        if self.direct_fd is None or head < DIRECT_MIN_BYTES or self.position % DIRECT_ALIGNMENT:
+            return 0
+        if np.frombuffer(view, dtype=np.uint8).ctypes.data % DIRECT_ALIGNMENT:
+            return 0
+        self.file.flush()
+        try:
+            for start in range(0, head, DIRECT_CHUNK):
+                _pwrite_all(self.direct_fd, view[start : min(head, start + DIRECT_CHUNK)], self.position + start)
+        except OSError as error:
+            if error.errno != errno.EINVAL:
+                raise
+            self._close_direct()  # the file system wants other alignments: the page cache from here on
+            return 0
+        self.file.seek(self.position + head)
+        self.written_back = self.position + head
+        return head
+
+    def _write_buffered(self, view: memoryview, position: int) -> None:
+        for start in range(0, view.nbytes, WRITEBACK_BYTES):
+            piece = view[start : start + WRITEBACK_BYTES]
+            self.file.write(piece)
+            end = position + start + piece.nbytes
+            if end - self.written_back >= WRITEBACK_BYTES:
+                self.file.flush()
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(
+                        self.file.fileno(), self.written_back, end - self.written_back, os.POSIX_FADV_DONTNEED
+                    )
+                self.written_back = end
+
+    def _close_direct(self) -> None:
+        if self.direct_fd is not None:
+            os.close(self.direct_fd)
+            self.direct_fd = None
 
     def tell(self) -> int:
         return self.position
@@ -370,12 +460,31 @@ class DeferredErrorStream:
             raise self.error
 
 
-def _write_tensor_item_without_crc(
-    stream: DeferredErrorStream, tensor: torch.Tensor, item: WriteItem, name: str
+def _open_direct(path: Path) -> int | None:
+    """A second descriptor of the file at `path` for O_DIRECT writes; None where the OS or file system has none."""
+    if not hasattr(os, "O_DIRECT") or not sys.platform.startswith("linux"):
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | os.O_DIRECT)
+    except OSError:  # EINVAL: not supported by this file system
+        return None
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view.nbytes:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(errno.EIO, f"O_DIRECT write at offset {offset} wrote nothing")
+        view, offset = view[written:], offset + written
+
+
+def _write_tensor_item(
+    stream: ItemFileStream, tensor: torch.Tensor, item: WriteItem, name: str, crc32: bool, alignment: int | None
 ) -> WriteResult:
-    """`torch.save(tensor, stream)` with zero CRC-32s, recorded as DCP records its items."""
+    """`torch.save(tensor, stream)` (with zero CRC-32s unless `crc32`; its storage's bytes `alignment`-aligned in
+    the zip), recorded as DCP records its items."""
     offset = stream.tell()
-    write_tensor_without_crc(stream, tensor)
+    write_tensor(stream, tensor, crc32, alignment)
     length = stream.tell() - offset
     return WriteResult(index=item.index, size_in_bytes=length, storage_data=StorageInfo(name, offset, length))
 
