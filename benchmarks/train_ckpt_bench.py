@@ -11,8 +11,10 @@ rank, the data-parallel `no_shard` layout (DDP), AdamW, 1 torch thread per rank.
   and the save it runs; median and the slowest step;
 - time lost per checkpoint: (training time - the no-checkpoint run's) / number of checkpoints, training time
   being from the first measured step's start to the last step's end (the last save is finished inside it);
-  and, free of the run-to-run drift of this figure, the steps' excess over their own run's median step
-  (sum of step time - median step, over the run's steps, / checkpoints; the no-checkpoint row is its floor);
+  and, free of the run-to-run drift of that figure, the steps' excess: per checkpoint, the saving step and the
+  3 after it minus 4 x the median of the other steps up to the next save (the no-checkpoint row, at the same
+  steps, is its noise floor), for the first checkpoint (which allocates the async staging memory) and the
+  later ones apart;
 - time to commit: from the save's start to its commit (the directory renamed, the manifest updated);
 - staging memory: peak resident memory added per rank against the no-checkpoint run;
 - the baseline of the async target: copying the model + optimizer state into preallocated memory.
@@ -55,6 +57,7 @@ SECTION = "## Checkpoints during training"
 # 96M parameters: x 12 bytes (fp32 weights, Adam's two moments) = 1.07 GiB of model + optimizer state per rank
 MODEL = {"num_layers": 2, "hidden_size": 256, "ffn_hidden_size": 688, "vocab_size": 184320, "seq_length": 32}
 WARMUP_STEPS = 3
+AFFECTED_STEPS = 4  # steps counted as a checkpoint's: the saving one and the next 3 (an async write takes 1-2)
 CONFIGS = {
     "no checkpoint": None,
     "sync": {},
@@ -201,6 +204,19 @@ def run(names: list[str], ranks: int, every: int, checkpoints: int, reps: int) -
     return measured
 
 
+def excess_per_checkpoint(steps: list[float], every: int, checkpoints: int) -> list[float]:
+    """Per checkpoint, the time the saving step (the save runs after it) and the `AFFECTED_STEPS - 1` steps after
+    it took beyond the median of the other steps up to the next save (a baseline local to the checkpoint, so a
+    run whose speed drifts does not blur it)."""
+    excess = []
+    for k in range(1, checkpoints + 1):
+        saving = every * k - 1 - WARMUP_STEPS
+        window = steps[saving : saving + every]
+        baseline = statistics.median(window[AFFECTED_STEPS:])
+        excess.append(sum(step - baseline for step in window[:AFFECTED_STEPS]))
+    return excess
+
+
 def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints: int, reps: int, note: str) -> str:
     base = measured["no checkpoint"]
     base_train = statistics.median(r["train"] for r in base)
@@ -210,19 +226,22 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
     state_gib = base[0]["state_bytes"] / 2**30
     lines = [
         "| configuration | median step s | slowest step s | lost per checkpoint s | lost / copy to preallocated "
-        "| lost / interval at N=50 | step excess per checkpoint s | excess / copy | time to commit s "
-        "| peak memory added / rank GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| lost / interval at N=50 | step excess per checkpoint s | first checkpoint's excess s "
+        "| later checkpoints' excess s | later / copy | time to commit s | peak memory added / rank GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in measured.items():
         train = statistics.median(r["train"] for r in runs)
         median_step = statistics.median(statistics.median(r["steps"]) for r in runs)
         slowest = statistics.median(max(r["steps"]) for r in runs)
         peak = statistics.median(r["peak"] for r in runs) - base_peak
-        excess = statistics.median(sum(s - statistics.median(r["steps"]) for s in r["steps"]) for r in runs)
-        excess /= checkpoints
+        windows = [excess_per_checkpoint(r["steps"], every, checkpoints) for r in runs]
+        excess = statistics.median(sum(w) for w in windows) / checkpoints
+        first = statistics.median(w[0] for w in windows)
+        later = statistics.median(x for w in windows for x in w[1:])
         if name == "no checkpoint":
-            cells = [name, f"{median_step:.3f}", f"{slowest:.3f}", "", "", "", f"{excess:.2f}", "", "", "0 (baseline)"]
+            cells = [name, f"{median_step:.3f}", f"{slowest:.3f}", "", "", "", f"{excess:.2f}", f"{first:.2f}"]
+            cells += [f"{later:.2f}", "", "", "0 (baseline)"]
         else:
             lost = (train - base_train) / checkpoints
             commit = statistics.median(c for r in runs for c in r["commits"])
@@ -234,7 +253,9 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
                 f"{lost / copy:.2f}",
                 f"{lost / (50 * base_step):.1%}",
                 f"{excess:.2f}",
-                f"{excess / copy:.2f}",
+                f"{first:.2f}",
+                f"{later:.2f}",
+                f"{later / copy:.2f}",
                 f"{commit:.2f}",
                 f"{peak / 2**30:.2f}",
             ]
@@ -265,10 +286,14 @@ def main() -> None:
     parser.add_argument("--note", default="", help="appended to the RESULTS.md section (machine, load)")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--raw", type=Path, help="also write every run's measurements to this JSON file")
+    parser.add_argument("--from-raw", type=Path, help="report the measurements of an earlier --raw, run nothing")
     args = parser.parse_args()
     MODEL["vocab_size"] = args.vocab_size
     names = ["no checkpoint"] + [name for name in args.configs if name != "no checkpoint"]
-    measured = run(names, args.ranks, args.every, args.checkpoints, args.reps)
+    if args.from_raw:
+        measured = json.loads(args.from_raw.read_text())
+    else:
+        measured = run(names, args.ranks, args.every, args.checkpoints, args.reps)
     if args.raw:
         args.raw.write_text(json.dumps(measured))
     text = report(measured, args.ranks, args.every, args.checkpoints, args.reps, args.note)

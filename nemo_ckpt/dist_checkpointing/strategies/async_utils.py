@@ -8,8 +8,10 @@ A write that failed on any rank raises an `AsyncSaveFailure` on every rank at th
 next finalize; the failed request's finalize functions do not run. With a `timeout`, a write
 still running that many seconds after it was scheduled counts as failed (a stuck file system
 cannot block training forever); its thread is abandoned and later writes get a new one.
-The background writer runs at a lower CPU priority than training (`WRITER_NICE`, where the OS
-allows it), and so do the file writer threads it starts: they take the cores training leaves idle.
+The background writer runs at the lowest CPU priority (`SCHED_IDLE` on Linux, else a higher nice value), and
+so do the file writer threads it starts: they take only the CPU time training leaves idle (when the training
+thread waits for a write, its core is idle and the write finishes). A `timeout` counts from the scheduling, so
+allow for writes that wait for idle CPU time.
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ log = logging.getLogger(__name__)
 WRITER_NICE = 10  # added to the background writer thread's nice value (Linux: per thread; 19 is the lowest)
 
 
-def lower_thread_priority(increment: int = WRITER_NICE) -> int | None:
-    """Raise the calling thread's nice value by `increment` (threads it starts inherit it); returns the new
-    value, or None where threads have no nice value of their own (not Linux) or the OS refuses."""
+def lower_thread_priority(increment: int = WRITER_NICE) -> str | None:
+    """Give the calling thread the lowest CPU priority the OS allows (threads it starts inherit it): Linux's
+    `SCHED_IDLE` (it runs only on CPU time no other thread wants), else `increment` added to its nice value.
+    Returns which ("SCHED_IDLE" or "nice <value>"), or None where threads have no priority of their own (not
+    Linux) or the OS refuses."""
     if not hasattr(os, "setpriority") or not sys.platform.startswith("linux"):
         return None
     thread = threading.get_native_id()
@@ -48,7 +52,12 @@ def lower_thread_priority(increment: int = WRITER_NICE) -> int | None:
     except OSError as error:
         log.debug("checkpoint writer keeps its priority: %s", error)
         return None
-    return nice
+    try:
+        os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError) as error:
+        log.debug("checkpoint writer stays in the normal scheduling class: %s", error)
+        return f"nice {nice}"
+    return "SCHED_IDLE"
 
 
 class AsyncRequest(NamedTuple):
