@@ -269,7 +269,11 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
         f"steps, {checkpoints} per run; `ckpt_assume_constant_structure`, 2 writer threads per rank. Copying the "
         f"state into preallocated memory takes {copy:.3f} s per rank; the no-checkpoint run's median step is "
         f"{base_step:.3f} s (so N=50 steps are {50 * base_step:.1f} s). Lost per checkpoint: (training time - the "
-        "no-checkpoint run's) / checkpoints; time to commit: from the save's start to the manifest's update. "
+        "no-checkpoint run's) / checkpoints; step excess: per checkpoint, the saving step and the 3 after it minus 4 "
+        "x the median of the other steps up to the next save (within the run, so free of the runs' drift; the "
+        "no-checkpoint row, at the same steps, is its noise floor), for the first checkpoint (which allocates the "
+        "async staging memory) and the later ones apart; time to commit: from the save's start to the manifest's "
+        "update. "
         f"Medians over {reps} repetitions, configurations interleaved. {note}\n\n" + "\n".join(lines) + "\n"
     )
 

@@ -1,9 +1,10 @@
 """Checksums of a torch_dist checkpoint's files, and their verification.
 
-The writer threads compute a CRC32C (hardware-accelerated) of every item they wrote, from its bytes still in
-memory, while the file's fsync waits for the disk; the coordinator stores them, with those of `.metadata` and
-`common.pt`, in `checksums.json`: `{"algorithm": "crc32c", "files": {name: [[offset, length, crc], ...]}}`, one
-range per item, so a corrupt byte is named by file and offset range. Megatron-Core and torch ignore the file;
+The writer computes a CRC32C (hardware-accelerated) of every item it wrote, from its bytes still in memory, in
+a thread per file while the next items are written and the disk writes these; the coordinator stores them, with
+those of `.metadata` and `common.pt`, in `checksums.json`: `{"algorithm": "crc32c", "files": {name: [[offset,
+length, crc], ...]}}`, one range per item (and per padding before an O_DIRECT item), so a corrupt byte is named
+by file and offset range. Megatron-Core and torch ignore the file;
 checkpoints without it load as before (nothing to verify).
 """
 

@@ -9,8 +9,8 @@
    does (a `torch.save` zip, at the offset DCP's metadata records), with or without the zip's CRC-32s
    (`torch.load` never checks them; computing them is most of a save's CPU time). Page-aligned
    tensors go to the disk with O_DIRECT, the rest through the page cache with early writeback
-   (`ItemFileStream`). Each item's CRC32C is computed from the bytes it wrote while the file's fsync
-   waits for the disk, so the checksums cost CPU time the save would spend idle (see `integrity.py`).
+   (`ItemFileStream`). Each item's CRC32C is computed from the bytes it wrote, by a thread of the file's own,
+   while the writer goes on with the next items and the disk writes these (see `integrity.py`).
 3. `finish` (training side, collective): gather the write results; the coordinator writes DCP's
    `.metadata` (atomically, fsynced) and `checksums.json`. With a `MetadataCache`, ranks
    whose shards have the same structure as last time send nothing but their write results.
@@ -29,7 +29,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -260,8 +260,21 @@ class FileSystemWriterAsync:
             self.release_staging()
 
     def _write_file(self, name: str, items: list[WriteItem]) -> list[WriteResult]:
-        results, ranges, pieces = [], [], []
-        with ItemFileStream(self.checkpoint_dir / name, keep_pieces=self.checksums is not None) as stream:
+        results: list[WriteResult] = []
+        ranges: list[tuple[int, int]] = []
+        crcs: list[Future[int]] = []
+        with (
+            ItemFileStream(self.checkpoint_dir / name, keep_pieces=self.checksums is not None) as stream,
+            ThreadPoolExecutor(1, thread_name_prefix="ckpt-file-checksum") as checksummer,
+        ):
+
+            def end_range(start: int) -> None:
+                """The bytes from `start` on are a checksummed range; their checksum is computed while the
+                writer goes on with the next item and the disk writes these."""
+                ranges.append((start, stream.tell() - start))
+                if self.checksums is not None:
+                    crcs.append(checksummer.submit(checksum, stream.take_pieces()))
+
             for item in items:
                 data = self.data[item.index]
                 start = stream.tell()
@@ -270,22 +283,16 @@ class FileSystemWriterAsync:
                     results.append(dcp_write_item(stream, data, item, name))
                 else:
                     alignment = stream.align_for_direct_write(data)
-                    if stream.tell() > start:  # the padding before the item: a checksummed range of its own
-                        ranges.append((start, stream.tell() - start))
-                        pieces.append(stream.take_pieces())
+                    if stream.tell() > start:  # the padding before the item: a range of its own
+                        end_range(start)
+                        start = stream.tell()
                     results.append(_write_tensor_item(stream, data, item, name, self.crc32, alignment))
-                info = results[-1].storage_data
-                ranges.append((info.offset, info.length))
-                pieces.append(stream.take_pieces())
+                end_range(start)
             stream.raise_deferred_error()
             stream.file.flush()
-            if self.checksums is None:
-                os.fsync(stream.file.fileno())
-            else:  # the checksums' CPU time overlaps the disk time of the fsync
-                with ThreadPoolExecutor(1, thread_name_prefix="ckpt-file-fsync") as sync:
-                    synced = sync.submit(os.fsync, stream.file.fileno())
-                    self.checksums[name] = [[*span, checksum(item)] for span, item in zip(ranges, pieces)]
-                    synced.result()
+            os.fsync(stream.file.fileno())
+            if self.checksums is not None:
+                self.checksums[name] = [[*span, crc.result()] for span, crc in zip(ranges, crcs)]
         return results
 
     def finish(self) -> None:
