@@ -10,8 +10,9 @@ not include removing the previous repetition's files.
 
 Contestants (all with torch.save's zip CRC-32s off, as ours writes them; the `zip CRCs` rows turn them on):
 - the disk ceiling (`disk_ceiling.py`): `dd conv=fdatasync` in 1, 2, 4, 8 parallel streams per rank and O_DIRECT
-  writes; cold `dd` reads in 1, 2, 4, 8 streams and O_DIRECT reads. The best median is the ceiling that every
-  save and load is quoted against; `dd x1` (one buffered stream, the old baseline) is a reference row.
+  writes, of pseudo-random bytes from memory (not zeros, which a virtual disk may skip); cold `dd` reads in 1, 2,
+  4, 8 streams and O_DIRECT reads. The best median is the ceiling that every save and load is quoted against;
+  `dd x1` (one buffered stream, the old baseline) is a reference row.
 - `torch.save` / `torch.load` of each rank's dict to its own file (fsynced).
 - DCP (`torch.distributed.checkpoint`) with 2 writer threads per rank, as ours; `dcp async_save` with a kept
   `DefaultStager` (it reuses its CPU copies) staging in its background thread.
@@ -99,7 +100,9 @@ def local_state(size: int, rank: int, shards: int = 1) -> dict[str, torch.Tensor
     """This rank's rows of `size // 64 MiB` global float32 tensors: 64 MiB each (`shards` times that where a
     rank loads what `shards` ranks saved)."""
     rows = TENSOR_BYTES // 4 // ROW * shards
-    return {f"t{i}": torch.full((rows, ROW), float(i + rank), dtype=torch.float32) for i in range(size // TENSOR_BYTES)}
+    return {
+        f"t{i}": torch.full((rows, ROW), float(1 + i + rank), dtype=torch.float32) for i in range(size // TENSOR_BYTES)
+    }
 
 
 def config_dir(size: int, world: int) -> str:
@@ -138,8 +141,17 @@ class Contestants:
     """Each contestant's save and load on this rank, writing under `root`: the disk ceiling's `dd` variants, and
     the libraries at their best settings (see the module docstring)."""
 
-    def __init__(self, root: Path, size: int, rank: int, world: int, with_async: bool, shards: int = 1) -> None:
-        self.root, self.rank, self.world, self.size = root, rank, world, size
+    def __init__(
+        self,
+        root: Path,
+        ceiling_source: Path | None,
+        size: int,
+        rank: int,
+        world: int,
+        with_async: bool,
+        shards: int = 1,
+    ) -> None:
+        self.root, self.ceiling_source, self.rank, self.world, self.size = root, ceiling_source, rank, world, size
         self.state = local_state(size, rank, shards)
         self.rows = next(iter(self.state.values())).shape[0]
         self.mcore = megatron_dist_checkpointing()
@@ -246,7 +258,8 @@ class Contestants:
         return first
 
     def save_ceiling(self, streams: int, direct: bool) -> None:
-        disk_ceiling.write(self.root / CEILING_DIR, self.size, streams, direct, prefix=f"rank{self.rank}_")
+        directory, prefix = self.root / CEILING_DIR, f"rank{self.rank}_"
+        disk_ceiling.write(directory, self.ceiling_source, self.size, streams, direct, prefix=prefix)
 
     def save_torch(self) -> None:
         with open(self.path("torch.save") / f"rank{self.rank}.pt", "wb") as f:
@@ -394,6 +407,7 @@ def run_rank(
     size: int,
     reps: int,
     root: str,
+    ceiling_source: str | None,
     with_async: bool,
     reshard_from: str | None,
     results: dict,
@@ -403,7 +417,15 @@ def run_rank(
     torch.utils.serialization.config.save.compute_crc32 = False  # equal for all; "zip CRCs" rows turn it on
     # a reshard loads what twice the ranks saved, each of half this rank's size
     save_world = world if reshard_from is None else 2 * world
-    c = Contestants(Path(root) / config_dir(size, world), size, rank, world, with_async, save_world // world)
+    c = Contestants(
+        Path(root) / config_dir(size, world),
+        None if ceiling_source is None else Path(ceiling_source),
+        size,
+        rank,
+        world,
+        with_async,
+        save_world // world,
+    )
     saves = c.saves() if reshard_from is None else {}
     source = c.root if reshard_from is None else Path(reshard_from)
     loads = c.loads(source, save_world)
@@ -439,23 +461,30 @@ def run_rank(
 def run_config(
     size: int, world: int, reps: int, root: Path, with_async: bool, reshard_from: Path | None = None
 ) -> dict:
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(
-            run_rank,
-            args=(
-                world,
-                free_port(),
-                size,
-                reps,
-                str(root),
-                with_async,
-                None if reshard_from is None else str(reshard_from),
-                results,
-            ),
-            nprocs=world,
-        )
-        return dict(results)
+    # the bytes the ceiling's `dd` writes copy (every rank the same), where this run saves
+    ceiling_source = disk_ceiling.source_file(size) if reshard_from is None else None
+    try:
+        with mp.Manager() as manager:
+            results = manager.dict()
+            mp.spawn(
+                run_rank,
+                args=(
+                    world,
+                    free_port(),
+                    size,
+                    reps,
+                    str(root),
+                    None if ceiling_source is None else str(ceiling_source),
+                    with_async,
+                    None if reshard_from is None else str(reshard_from),
+                    results,
+                ),
+                nprocs=world,
+            )
+            return dict(results)
+    finally:
+        if ceiling_source is not None:
+            ceiling_source.unlink()
 
 
 def medians(times: dict[str, list[float]]) -> dict[str, float]:
@@ -573,7 +602,7 @@ def main() -> None:
         for world in args.ranks:
             # async contestants and memcpy each keep a copy of the state (ours, DCP's cached staging, memcpy,
             # megatron-core), torch.load reads into new memory
-            with_async = world * size * ASYNC_COPIES <= available_memory()
+            with_async = world * size * ASYNC_COPIES + disk_ceiling.SOURCE_BYTES <= available_memory()
             if not with_async:
                 print(f"{size_gib} GiB per rank on {world} rank(s): async, memcpy, torch.load left out (memory)")
             print(f"{size_gib} GiB per rank on {world} rank(s)", flush=True)

@@ -4,6 +4,7 @@ checkpoints that plain DCP reads (and that we read from plain DCP)."""
 import io
 import os
 import pickle
+import threading
 import zipfile
 from pathlib import Path
 
@@ -77,6 +78,28 @@ def test_fast_path_reads_reshards_and_strided_targets(tmp_path, no_dcp_reader):
     strategy = TorchDistLoadShardedStrategy(thread_count=3)
     assert torch.equal(strategy.load({"cols": cols}, tmp_path)["cols"], FULL[:, 2:5])
     assert torch.equal(dc.load_plain_tensors(tmp_path)["flat"], FULL)
+
+
+def test_large_tensors_are_read_in_parallel_chunks(tmp_path, no_dcp_reader, monkeypatch):
+    _save(tmp_path, thread_count=1)
+    monkeypatch.setattr(fast_reader, "READ_CHUNK", 16)
+    reads: list[tuple[str, int]] = []
+    pread_all = fast_reader._pread_all
+
+    def record(fd: int, view: memoryview, offset: int) -> None:
+        reads.append((threading.current_thread().name, view.nbytes))
+        pread_all(fd, view, offset)
+
+    monkeypatch.setattr(fast_reader, "_pread_all", record)
+    request = {
+        "w": dc.ShardedTensor.from_rank_offsets("w", torch.zeros(8, 6)),
+        "half": dc.ShardedTensor.from_rank_offsets("half", torch.zeros(4, 10, dtype=torch.bfloat16)),
+    }
+    loaded = dc.load(request, tmp_path, validate_access_integrity=False)
+    assert torch.equal(loaded["w"], FULL) and torch.equal(loaded["half"], HALF)
+    # 4 stored blocks of 48 bytes and 80 bytes of HALF, in reads of 16 bytes, by the file's range readers
+    assert sorted(n for _, n in reads) == [16] * (4 * 3 + 5)
+    assert all(name.startswith("ckpt-range-reader") for name, _ in reads)
 
 
 def test_stored_layout_is_read_from_data_pkl(tmp_path, no_dcp_reader):

@@ -1,7 +1,8 @@
-"""How a save's bytes reach the disk (`ItemFileStream`): page-aligned tensors (async staging buffers) with
-O_DIRECT, after zero padding to a block boundary; everything else through the page cache with early writeback;
-the page cache alone where the file system refuses O_DIRECT. Every variant loads the same values, through our
-reader and DCP's, and its checksums cover every byte of the file."""
+"""How a save's bytes reach the disk (`ItemFileStream`): large tensors with O_DIRECT, wherever their memory starts
+(zero padding puts them at the same offset within a file block as within a page; their partial first and last
+blocks go through the page cache); everything else through the page cache with early writeback; the page cache
+alone where the file system refuses O_DIRECT. Every variant loads the same values, through our reader and DCP's,
+and its checksums cover every byte of the file."""
 
 import errno
 import json
@@ -87,21 +88,43 @@ def supports_direct_writes(directory: Path) -> bool:
         os.unlink(directory / "probe")
 
 
-def test_staged_tensors_are_written_with_o_direct_in_whole_blocks(tmp_path, pwrites):
+def placed(tensors: dict[str, torch.Tensor], page_offset: int) -> dict[str, torch.Tensor]:
+    """Copies of `tensors` in memory that starts `page_offset` bytes after a page boundary."""
+    copies = {}
+    for key, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        memory = mmap.mmap(-1, page_offset + nbytes)  # page-aligned
+        copy = torch.frombuffer(memory, dtype=tensor.dtype, offset=page_offset, count=tensor.numel())
+        copies[key] = copy.view(tensor.shape).copy_(tensor)
+    return copies
+
+
+@pytest.mark.parametrize("page_offset", [0, 64, 4032])
+def test_large_tensors_are_written_with_o_direct_in_whole_blocks(tmp_path, pwrites, page_offset):
     if not supports_direct_writes(tmp_path):
         pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT writes (covered by the fallback test)")
     pwrites.clear()  # the probe's
-    save(tmp_path, asynchronous=True)
+    tensors = placed(values(), page_offset)
+    assert all(t.untyped_storage().data_ptr() % DIRECT_ALIGNMENT == page_offset for t in tensors.values())
+    request = dc.save(sharded(tensors), tmp_path, TorchDistSaveShardedStrategy(thread_count=1, crc32=False))
+    assert request is None
     assert_loads_and_verifies(tmp_path)
+    # the blocks between the first and the last page boundary of each large tensor's memory
+    head = -page_offset % DIRECT_ALIGNMENT
     nbytes = [math.prod(shape) * 4 for k, shape in SHAPES.items() if k in ("big", "odd")]
-    assert sum(length for _, length in pwrites) == sum(n - n % DIRECT_ALIGNMENT for n in nbytes)
+    whole_blocks = [(n - head) // DIRECT_ALIGNMENT * DIRECT_ALIGNMENT for n in nbytes]
+    assert sum(length for _, length in pwrites) == sum(whole_blocks)
     assert all(offset % DIRECT_ALIGNMENT == 0 and length % DIRECT_ALIGNMENT == 0 for offset, length in pwrites)
 
 
-def test_unaligned_memory_goes_through_the_page_cache(tmp_path, pwrites):
-    save(tmp_path, asynchronous=False)  # a sync save writes the live tensors, whose memory is not page-aligned
-    assert pwrites == []
+def test_async_staged_tensors_are_written_with_o_direct(tmp_path, pwrites):
+    if not supports_direct_writes(tmp_path):
+        pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT writes (covered by the fallback test)")
+    pwrites.clear()
+    save(tmp_path, asynchronous=True)
     assert_loads_and_verifies(tmp_path)
+    nbytes = sum(math.prod(shape) * 4 for k, shape in SHAPES.items() if k in ("big", "odd"))
+    assert nbytes - 4 * DIRECT_ALIGNMENT <= sum(length for _, length in pwrites) <= nbytes
 
 
 def test_a_file_system_refusing_the_alignment_gets_the_page_cache(tmp_path, monkeypatch):
@@ -136,6 +159,7 @@ def test_writeback_is_started_every_writeback_bytes_over_the_whole_file(tmp_path
         fadvise(fd, offset, length, advice)
 
     monkeypatch.setattr(os, "posix_fadvise", record)
+    monkeypatch.setattr(filesystem_async, "_open_direct", lambda path: None)  # everything through the page cache
     save(tmp_path, asynchronous=False)
 
     # the ranges follow each other from the file's start, each at least 4096 bytes, up to its last 4096 bytes

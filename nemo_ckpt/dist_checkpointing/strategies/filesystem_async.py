@@ -2,13 +2,13 @@
 
 1. `prepare_write_data` (training side): stage this rank's shards as CPU tensors (a copy for async
    saves, so training may change the originals; with `StagingBuffers` into the memory of the
-   previous save; CPU copies page-aligned, GPU shards into pinned memory on a side stream, without
-   blocking the host) and split them into `thread_count` files.
+   previous save; GPU shards into pinned memory on a side stream, without blocking the host) and split
+   them into `thread_count` files.
 2. `write` (any thread): waits for the GPU copies, then writes each file `__<rank>_<i>.distcp` by
    its own thread, fsynced; every item serialized as `torch.distributed.checkpoint.FileSystemWriter`
    does (a `torch.save` zip, at the offset DCP's metadata records), with or without the zip's CRC-32s
-   (`torch.load` never checks them; computing them is most of a save's CPU time). Page-aligned
-   tensors go to the disk with O_DIRECT, the rest through the page cache with early writeback
+   (`torch.load` never checks them; computing them is most of a save's CPU time). Large tensors go
+   from their memory to the disk with O_DIRECT, the rest through the page cache with early writeback
    (`ItemFileStream`). Each item's CRC32C is computed from the bytes it wrote, by a thread of the file's own,
    while the writer goes on with the next items and the disk writes these (see `integrity.py`).
 3. `finish` (training side, collective): gather the write results; the coordinator writes DCP's
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import errno
 import io
-import mmap
 import os
 import pickle
 import sys
@@ -56,7 +55,7 @@ DCP_METADATA_FNAME = ".metadata"
 KEEP_BY_REFERENCE = 1 << 20
 WRITEBACK_BYTES = 32 << 20  # bytes written to a file after which the kernel is asked to start writing them out
 DIRECT_ALIGNMENT = 4096  # O_DIRECT: file offsets, lengths and memory addresses on (logical) block boundaries
-DIRECT_MIN_BYTES = 1 << 20  # tensors this large are written with O_DIRECT where their memory is aligned
+DIRECT_MIN_BYTES = 1 << 20  # tensors this large are written with O_DIRECT
 DIRECT_CHUNK = 64 << 20  # bytes per O_DIRECT write call
 ItemData = torch.Tensor | io.BytesIO
 
@@ -131,21 +130,11 @@ def _copy_into(data: dict, buffers: dict[MetadataIndex, torch.Tensor], copy: boo
         elif _needs_copy(value, copy):
             buffer = buffers.get(index)
             if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-                buffer = _staging_tensor(value)
+                buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
             staged[index] = buffer.copy_(value, non_blocking=value.is_cuda)
         else:
             staged[index] = value
     return staged
-
-
-def _staging_tensor(like: torch.Tensor) -> torch.Tensor:
-    """An uninitialized CPU tensor for a copy of `like`: pinned for GPU tensors; for large CPU ones, memory that
-    starts on a page boundary (an anonymous mapping), so the writer can hand it to the disk with O_DIRECT."""
-    nbytes = like.numel() * like.element_size()
-    if like.is_cuda or nbytes < DIRECT_MIN_BYTES:
-        return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
-    memory = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
-    return memory.view(like.dtype).view(like.shape)
 
 
 class DeviceToHostCopies:
@@ -363,10 +352,11 @@ class ItemFileStream:
     - Checksums: with `keep_pieces`, the bytes written since the last `take_pieces` are kept for their checksum:
       pieces of `KEEP_BY_REFERENCE` bytes or more by reference (the tensors' memory, alive until the file is
       written), smaller ones (the zip's headers, which may be the writer's temporaries) as copies.
-    - O_DIRECT: a tensor whose memory starts on a page boundary (the async staging buffers) and that
-      `align_for_direct_write` placed on a block boundary of the file has its bytes written from memory to the
-      disk with O_DIRECT: no copy into the page cache, and next to no CPU time, which an async save's writer
-      would otherwise take from training. Where the file system refuses O_DIRECT, the page cache is used.
+    - O_DIRECT: a tensor of `DIRECT_MIN_BYTES` or more is placed by `align_for_direct_write` so that its bytes
+      lie at the same offsets within file blocks as within memory pages; its whole blocks then go from memory to
+      the disk with O_DIRECT (the first and last partial blocks through the page cache): no copy into the page
+      cache, and next to no CPU time, which a sync save would spend and an async save's writer would take from
+      training. Where the file system refuses O_DIRECT, the page cache is used.
     - Writeback: of the bytes that go through the page cache, every `WRITEBACK_BYTES` are handed to the disk
       at once (`POSIX_FADV_DONTNEED`: on Linux it starts the writeback of the range's dirty pages and drops its
       clean ones), so the disk works while the writer copies the next bytes, where otherwise writeback waits for
@@ -390,13 +380,15 @@ class ItemFileStream:
         self.file.close()
 
     def align_for_direct_write(self, tensor: torch.Tensor) -> int | None:
-        """If `tensor`'s bytes can be written with O_DIRECT, pad the file with zeros to a block boundary and return
-        the storage alignment its `torch.save` zip must use; else None."""
+        """If `tensor`'s bytes can be written with O_DIRECT, pad the file with zeros so that its storage, placed on a
+        block boundary of the `torch.save` zip, lies at the same offset within a file block as in memory within a
+        page; returns the storage alignment that zip must use, else None."""
         storage = tensor.untyped_storage()
-        if self.direct_fd is None or storage.nbytes() < DIRECT_MIN_BYTES or storage.data_ptr() % DIRECT_ALIGNMENT:
+        if self.direct_fd is None or storage.nbytes() < DIRECT_MIN_BYTES:
             return None
-        if self.position % DIRECT_ALIGNMENT:
-            self.write(bytes(-self.position % DIRECT_ALIGNMENT))
+        padding = (storage.data_ptr() - self.position) % DIRECT_ALIGNMENT
+        if padding:
+            self.write(bytes(padding))
         return DIRECT_ALIGNMENT
 
     def write(self, data) -> int:
@@ -405,33 +397,44 @@ class ItemFileStream:
             self.pieces.append(view if view.nbytes >= KEEP_BY_REFERENCE else bytes(view))
         if self.error is None:
             try:
-                direct = self._write_direct(view)
-                self._write_buffered(view[direct:], self.position + direct)
+                head, body = self._direct_span(view)
+                self._write_buffered(view[:head], self.position)
+                body = self._write_direct(view[head : head + body], self.position + head)
+                self._write_buffered(view[head + body :], self.position + head + body)
             except OSError as error:
                 self.error = error
         self.position += view.nbytes
         return view.nbytes
 
-    def _write_direct(self, view: memoryview) -> int:
-        """Write the whole blocks at the start of `view` with O_DIRECT, where memory and file offset allow it;
-        returns how many bytes (0: none)."""
-        head = view.nbytes - view.nbytes % DIRECT_ALIGNMENT
-        if self.direct_fd is None or head < DIRECT_MIN_BYTES or self.position % DIRECT_ALIGNMENT:
-            return 0
-        if np.frombuffer(view, dtype=np.uint8).ctypes.data % DIRECT_ALIGNMENT:
+    def _direct_span(self, view: memoryview) -> tuple[int, int]:
+        """(head, body): after its first `head` bytes, `view` has `body` bytes of whole blocks that are on block
+        boundaries both in memory and in the file, for O_DIRECT; (0, 0) for a view under `DIRECT_MIN_BYTES` or
+        one whose offsets within a block differ."""
+        if self.direct_fd is None or view.nbytes < DIRECT_MIN_BYTES:
+            return 0, 0
+        address = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        if (address - self.position) % DIRECT_ALIGNMENT:
+            return 0, 0
+        head = -address % DIRECT_ALIGNMENT
+        return head, (view.nbytes - head) // DIRECT_ALIGNMENT * DIRECT_ALIGNMENT
+
+    def _write_direct(self, view: memoryview, position: int) -> int:
+        """Write `view` (whole blocks, aligned) at `position` with O_DIRECT; returns how many bytes (0: none, the
+        file system refused the alignment)."""
+        if not view.nbytes:
             return 0
         self.file.flush()
         try:
-            for start in range(0, head, DIRECT_CHUNK):
-                _pwrite_all(self.direct_fd, view[start : min(head, start + DIRECT_CHUNK)], self.position + start)
+            for start in range(0, view.nbytes, DIRECT_CHUNK):
+                _pwrite_all(self.direct_fd, view[start : start + DIRECT_CHUNK], position + start)
         except OSError as error:
             if error.errno != errno.EINVAL:
                 raise
             self._close_direct()  # the file system wants other alignments: the page cache from here on
             return 0
-        self.file.seek(self.position + head)
-        self.written_back = self.position + head
-        return head
+        self.file.seek(position + view.nbytes)
+        self.written_back = position + view.nbytes
+        return view.nbytes
 
     def _write_buffered(self, view: memoryview, position: int) -> None:
         for start in range(0, view.nbytes, WRITEBACK_BYTES):
