@@ -373,13 +373,14 @@ class ModelCheckpoint(Callback):
         except OSError as error:
             log.warning("ModelCheckpoint: could not delete %s (%s); the next run will", names, error)
             return
-        if background and self._trash_remover is None:
+        if not background:
+            for path in trash:
+                shutil.rmtree(path, ignore_errors=True)
+            return
+        if self._trash_remover is None:
             self._trash_remover = ThreadPoolExecutor(1, thread_name_prefix="ckpt-trash-remover")
         for path in trash:
-            if background:
-                self._trash_remover.submit(shutil.rmtree, path, ignore_errors=True)
-            else:
-                shutil.rmtree(path, ignore_errors=True)
+            self._trash_remover.submit(shutil.rmtree, path, ignore_errors=True)
 
     def _link_last(self, name: str | None) -> None:
         """Point `<name>-last` at `name` (atomically) and remove every other `-last` link."""
