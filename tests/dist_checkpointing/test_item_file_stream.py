@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from nemo_ckpt import dist_checkpointing as dc
 from nemo_ckpt.dist_checkpointing.integrity import CHECKSUMS_FNAME, verify_checkpoint
 from nemo_ckpt.dist_checkpointing.strategies import filesystem_async
-from nemo_ckpt.dist_checkpointing.strategies.filesystem_async import DIRECT_ALIGNMENT, DIRECT_MIN_BYTES
+from nemo_ckpt.dist_checkpointing.strategies.direct_io import DIRECT_ALIGNMENT, DIRECT_MIN_BYTES
 from nemo_ckpt.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this OS")
@@ -159,7 +159,7 @@ def test_writeback_is_started_every_writeback_bytes_over_the_whole_file(tmp_path
         fadvise(fd, offset, length, advice)
 
     monkeypatch.setattr(os, "posix_fadvise", record)
-    monkeypatch.setattr(filesystem_async, "_open_direct", lambda path: None)  # everything through the page cache
+    monkeypatch.setattr(filesystem_async, "open_direct", lambda path, flags: None)  # everything through the page cache
     save(tmp_path, asynchronous=False)
 
     # the ranges follow each other from the file's start, each at least 4096 bytes, up to its last 4096 bytes

@@ -24,7 +24,6 @@ import errno
 import io
 import os
 import pickle
-import sys
 import threading
 import uuid
 from collections.abc import Callable
@@ -50,12 +49,11 @@ from ..._compat import StorageInfo, dcp_write_item, write_tensor
 from ..core import CheckpointingException
 from ..integrity import CHECKSUMS_FNAME, FileRanges, checksum, file_checksum, write_checksums
 from .async_utils import AsyncRequest
+from .direct_io import DIRECT_ALIGNMENT, DIRECT_MIN_BYTES, direct_span, open_direct
 
 DCP_METADATA_FNAME = ".metadata"
 KEEP_BY_REFERENCE = 1 << 20
 WRITEBACK_BYTES = 32 << 20  # bytes written to a file after which the kernel is asked to start writing them out
-DIRECT_ALIGNMENT = 4096  # O_DIRECT: file offsets, lengths and memory addresses on (logical) block boundaries
-DIRECT_MIN_BYTES = 1 << 20  # tensors this large are written with O_DIRECT
 DIRECT_CHUNK = 64 << 20  # bytes per O_DIRECT write call
 ItemData = torch.Tensor | io.BytesIO
 
@@ -365,7 +363,7 @@ class ItemFileStream:
 
     def __init__(self, path: Path, keep_pieces: bool = False) -> None:
         self.file = open(path, "wb")
-        self.direct_fd = _open_direct(path)
+        self.direct_fd = open_direct(path, os.O_WRONLY)
         self.error: OSError | None = None
         self.position = 0
         self.written_back = 0
@@ -397,7 +395,10 @@ class ItemFileStream:
             self.pieces.append(view if view.nbytes >= KEEP_BY_REFERENCE else bytes(view))
         if self.error is None:
             try:
-                head, body = self._direct_span(view)
+                head, body = 0, 0
+                if self.direct_fd is not None and view.nbytes >= DIRECT_MIN_BYTES:
+                    address = np.frombuffer(view, dtype=np.uint8).ctypes.data
+                    head, body = direct_span(address, self.position, view.nbytes)
                 self._write_buffered(view[:head], self.position)
                 body = self._write_direct(view[head : head + body], self.position + head)
                 self._write_buffered(view[head + body :], self.position + head + body)
@@ -405,18 +406,6 @@ class ItemFileStream:
                 self.error = error
         self.position += view.nbytes
         return view.nbytes
-
-    def _direct_span(self, view: memoryview) -> tuple[int, int]:
-        """(head, body): after its first `head` bytes, `view` has `body` bytes of whole blocks that are on block
-        boundaries both in memory and in the file, for O_DIRECT; (0, 0) for a view under `DIRECT_MIN_BYTES` or
-        one whose offsets within a block differ."""
-        if self.direct_fd is None or view.nbytes < DIRECT_MIN_BYTES:
-            return 0, 0
-        address = np.frombuffer(view, dtype=np.uint8).ctypes.data
-        if (address - self.position) % DIRECT_ALIGNMENT:
-            return 0, 0
-        head = -address % DIRECT_ALIGNMENT
-        return head, (view.nbytes - head) // DIRECT_ALIGNMENT * DIRECT_ALIGNMENT
 
     def _write_direct(self, view: memoryview, position: int) -> int:
         """Write `view` (whole blocks, aligned) at `position` with O_DIRECT; returns how many bytes (0: none, the
@@ -468,16 +457,6 @@ class ItemFileStream:
     def raise_deferred_error(self) -> None:
         if self.error is not None:
             raise self.error
-
-
-def _open_direct(path: Path) -> int | None:
-    """A second descriptor of the file at `path` for O_DIRECT writes; None where the OS or file system has none."""
-    if not hasattr(os, "O_DIRECT") or not sys.platform.startswith("linux"):
-        return None
-    try:
-        return os.open(path, os.O_WRONLY | os.O_DIRECT)
-    except OSError:  # EINVAL: not supported by this file system
-        return None
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
