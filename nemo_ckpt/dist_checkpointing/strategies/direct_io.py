@@ -27,9 +27,8 @@ def open_direct(path: Path, flags: int) -> int | None:
 
 def direct_span(address: int, file_offset: int, nbytes: int) -> tuple[int, int]:
     """(head, body): after its first `head` bytes, the `nbytes` at memory `address` and `file_offset` have `body`
-    bytes of whole blocks on block boundaries in both; (0, 0) under `DIRECT_MIN_BYTES` or where the offsets within
-    a block differ."""
-    if nbytes < DIRECT_MIN_BYTES or (address - file_offset) % DIRECT_ALIGNMENT:
+    bytes of whole blocks on block boundaries in both; (0, 0) where the offsets within a block differ."""
+    if (address - file_offset) % DIRECT_ALIGNMENT:
         return 0, 0
     head = -address % DIRECT_ALIGNMENT
     return head, (nbytes - head) // DIRECT_ALIGNMENT * DIRECT_ALIGNMENT

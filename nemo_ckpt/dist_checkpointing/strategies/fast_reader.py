@@ -180,12 +180,12 @@ def locate_tensor(fd: int, offset: int, length: int) -> RawTensor | None:
     return RawTensor(offset + data_pos, dtype, rebuilt.size, rebuilt.stride, rebuilt.storage_offset)
 
 
-def _pread_into(fd: int, tensor: torch.Tensor, offset: int, pool: ThreadPoolExecutor | None = None) -> None:
-    """Fill the contiguous CPU `tensor` with the file's bytes at `offset` (with a `pool`: `READ_CHUNK` bytes per
-    read, in its threads)."""
+def _pread_into(fd: int, tensor: torch.Tensor, offset: int, pool: ThreadPoolExecutor) -> None:
+    """Fill the contiguous CPU `tensor` with the file's bytes at `offset`, `READ_CHUNK` bytes per read, in `pool`'s
+    threads."""
     nbytes = tensor.numel() * tensor.element_size()
     view = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
-    if pool is None or nbytes <= READ_CHUNK:
+    if nbytes <= READ_CHUNK:
         _pread_all(fd, view, offset)
         return
     chunks = [pool.submit(_pread_all, fd, view[s : s + READ_CHUNK], offset + s) for s in range(0, nbytes, READ_CHUNK)]
@@ -216,7 +216,7 @@ def read_box(
     offsets: tuple[int, ...],
     lengths: tuple[int, ...],
     target: torch.Tensor,
-    pool: ThreadPoolExecutor | None = None,
+    pool: ThreadPoolExecutor,
 ) -> None:
     """Copy the box (`offsets`, `lengths`) of the stored tensor `raw` into `target` (reads in `pool`'s threads)."""
     if tuple(target.shape) != tuple(lengths):
@@ -254,25 +254,24 @@ def _read_file(path: Path, items: list[tuple[ReadItem, Any]], planner: LoadPlann
     items = sorted(items, key=lambda pair: pair[1].offset)
     left: list[ReadItem] = []
     fd = os.open(path, os.O_RDONLY)
-    pool = ThreadPoolExecutor(READS_IN_FLIGHT, thread_name_prefix="ckpt-range-reader")
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         located: dict[Any, RawTensor | None] = {}
         for req, info in items:
             if req.type != LoadItemType.BYTE_IO and req.storage_index not in located:
                 located[req.storage_index] = locate_tensor(fd, info.offset, info.length)
-        for req, info in items:
-            if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(os.pread(fd, info.length, info.offset)))
-            elif located[req.storage_index] is None:
-                left.append(req)
-            else:
-                target = planner.resolve_tensor(req).detach()
-                box = tuple(req.storage_offsets), tuple(req.lengths)
-                read_box(fd, located[req.storage_index], *box, target, pool)
-                planner.commit_tensor(req, target)
+        with ThreadPoolExecutor(READS_IN_FLIGHT, thread_name_prefix="ckpt-range-reader") as pool:
+            for req, info in items:
+                if req.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(req, io.BytesIO(os.pread(fd, info.length, info.offset)))
+                elif located[req.storage_index] is None:
+                    left.append(req)
+                else:
+                    target = planner.resolve_tensor(req).detach()
+                    box = tuple(req.storage_offsets), tuple(req.lengths)
+                    read_box(fd, located[req.storage_index], *box, target, pool)
+                    planner.commit_tensor(req, target)
     finally:
-        pool.shutdown()
         os.close(fd)
     return left
 
