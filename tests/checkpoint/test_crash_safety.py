@@ -12,7 +12,6 @@ valid by construction: a trial never waits for a step past `MAX_STEPS - MARGIN`,
 that close to the end, trials are killed during start-up, so no trial can finish training before its kill.
 """
 
-import multiprocessing
 import os
 import random
 import signal
@@ -27,7 +26,7 @@ from nemo_ckpt import dist_checkpointing
 from nemo_ckpt.checkpoint.layout import LAST_SUFFIX, MANIFEST_NAME, TMP_PREFIX, is_complete, weights_dir
 from nemo_ckpt.checkpoint.manifest import Manifest
 from tests.checkpoint.crash_worker import SAVE_EVERY, rank_main
-from tests.helpers.distributed import free_port
+from tests.helpers import distributed
 from tests.helpers.recipe import checkpoint_dir
 
 WORLD_SIZE = 2
@@ -37,22 +36,15 @@ MARGIN = 10  # steps kept between any step a trial waits for and MAX_STEPS
 SEED = int(os.environ.get("CRASH_TEST_SEED", "0"))
 
 
-@pytest.fixture(scope="module")
-def forkserver() -> multiprocessing.context.BaseContext:
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["tests.checkpoint.crash_worker"])
-    return context
-
-
 class Run:
     """A 2-rank training run in `directory`, its ranks forked from the preloaded forkserver."""
 
-    def __init__(self, context, directory: Path, tag: str, async_save: bool, save_top_k: int) -> None:
+    def __init__(self, directory: Path, tag: str, async_save: bool, save_top_k: int) -> None:
         self.progress = directory.parent / f"{directory.name}-{tag}.progress"
         self.logs = [directory.parent / f"{directory.name}-{tag}-rank{rank}.log" for rank in range(WORLD_SIZE)]
-        port = free_port()
+        port = distributed.free_port()
         self.processes = [
-            context.Process(
+            distributed.forkserver().Process(
                 target=rank_main,
                 args=(
                     rank,
@@ -168,15 +160,15 @@ def check_disk(directory: Path, reference: Reference) -> DiskState:
 
 
 @pytest.fixture(scope="module")
-def reference(forkserver, tmp_path_factory) -> Reference:
+def reference(tmp_path_factory) -> Reference:
     directory = tmp_path_factory.mktemp("reference")
-    run = Run(forkserver, directory, "uninterrupted", async_save=False, save_top_k=-1)
+    run = Run(directory, "uninterrupted", async_save=False, save_top_k=-1)
     assert run.join(300) == [0, 0], run.output()
     return Reference(checkpoint_dir(directory))
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_sigkill_at_random_moments_then_resume(forkserver, reference, tmp_path, async_save):
+def test_sigkill_at_random_moments_then_resume(reference, tmp_path, async_save):
     rng = random.Random(SEED * 2 + async_save)
     directory = tmp_path / "run"
     checkpoints = checkpoint_dir(directory)
@@ -184,7 +176,7 @@ def test_sigkill_at_random_moments_then_resume(forkserver, reference, tmp_path, 
     max_lost = SAVE_EVERY * (2 if async_save else 1)
     newest, interrupted_saves, interrupted_async_writes, resumes_checked = 0, 0, 0, 0
     for trial in range(TRIALS):
-        run = Run(forkserver, directory, f"trial{trial}", async_save, save_top_k=2)
+        run = Run(directory, f"trial{trial}", async_save, save_top_k=2)
         near_the_end = newest >= MAX_STEPS - MARGIN - 3 * SAVE_EVERY
         last_step = newest if near_the_end else MAX_STEPS - MARGIN  # near the end: killed by the time training starts
         plan = "startup" if near_the_end else rng.choice(["startup", "random", "save", "save"])
@@ -224,7 +216,7 @@ def test_sigkill_at_random_moments_then_resume(forkserver, reference, tmp_path, 
         assert interrupted_async_writes >= 1, "no kill landed while training went on with an async save in flight"
     assert resumes_checked >= TRIALS // 2
 
-    run = Run(forkserver, directory, "final", async_save, save_top_k=2)
+    run = Run(directory, "final", async_save, save_top_k=2)
     assert run.join(300) == [0, 0], run.output()
     assert [step for kind, step in run.events() if kind == "start"] == [newest]
     disk = check_disk(checkpoints, reference)

@@ -26,13 +26,17 @@ RUN_NAME = "tiny"
 
 
 class KillAtStep(pl.Callback):
-    """SIGKILL rank 0 once `step` optimizer steps are done: a crash, not a clean exit."""
+    """SIGKILL rank 0 once `step` optimizer steps are done: a crash, not a clean exit. Async saves still in flight
+    are committed first (every rank waits for them), so what a resume finds does not depend on the disk's speed."""
 
     def __init__(self, step: int) -> None:
         self.step = step
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args) -> None:
-        if trainer.global_step == self.step and trainer.is_global_zero:
+        if trainer.global_step != self.step:
+            return
+        trainer.strategy.checkpoint_io.maybe_finalize(blocking=True)
+        if trainer.is_global_zero:
             os.kill(os.getpid(), signal.SIGKILL)
 
 

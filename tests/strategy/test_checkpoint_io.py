@@ -76,7 +76,8 @@ def reference(tmp_path_factory) -> Path:
 def test_killed_run_with_options_resumes_like_the_reference(reference, tmp_path, options):
     assert torchrun_tiny(tmp_path, 10, options, kill_at_step=7) != 0
     manifest = json.loads((checkpoints(tmp_path) / "checkpoints.json").read_text())
-    assert [record["step"] for record in manifest["checkpoints"]] == [5], "step 5 was committed during training"
+    committed = [(record["step"], record["state"]) for record in manifest["checkpoints"]]
+    assert committed == [(5, "complete")], "step 5 was committed during training"
     assert torchrun_tiny(tmp_path, 10, options) == 0
     assert min(losses(tmp_path)) == 5
     assert losses(tmp_path) == {step: loss for step, loss in losses(reference).items() if step >= 5}
