@@ -40,7 +40,8 @@ def _is_optimizer_shard(sh: ShardedBase) -> bool:
 @strict_options()
 @dataclass(frozen=True)
 class DistCheckpointOptions:
-    """How checkpoints are written and read: NeMo's `MegatronStrategy` options, under the same names.
+    """How checkpoints are written and read: NeMo's `MegatronStrategy` options, under the same names and
+    defaults (replicated shards are written once, spread over the ranks, as in NeMo).
 
     save_ckpt_format: 'torch_dist' (saving 'zarr' is not supported; zarr checkpoints still load).
     ckpt_async_save: stage to CPU and write in the background; the checkpoint is completed (metadata.json,
@@ -55,7 +56,7 @@ class DistCheckpointOptions:
         checkpoint metadata between saves, and keep the CPU copies of async saves for the next save (one copy
         of the rank's state stays in host memory; copying into it is several times faster than into new
         memory).
-    ckpt_parallel_save_optim: spread the writing of the optimizer state too.
+    ckpt_parallel_save_optim: spread the writing of the replicated optimizer state too.
     ckpt_load_directly_on_device: loaded tensors without a destination go to the current accelerator (loads
         into the template's tensors go there wherever they are).
     ckpt_load_strictness: a `StrictHandling` value for key mismatches.
@@ -69,12 +70,12 @@ class DistCheckpointOptions:
 
     save_ckpt_format: str = "torch_dist"
     ckpt_async_save: bool = False
-    ckpt_parallel_save: bool = False
+    ckpt_parallel_save: bool = True
     ckpt_parallel_save_within_dp: bool = False
     ckpt_parallel_load: bool = False
     ckpt_torch_dist_multiproc: int | None = None
     ckpt_assume_constant_structure: bool = False
-    ckpt_parallel_save_optim: bool = False
+    ckpt_parallel_save_optim: bool = True
     ckpt_load_directly_on_device: bool = False
     ckpt_load_strictness: str | None = None
     ckpt_async_save_timeout: float | None = None

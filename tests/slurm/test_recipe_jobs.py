@@ -64,10 +64,11 @@ def test_recipe_trains_checkpoints_and_resumes(slurm_cluster: SlurmCluster, nemo
     assert [record["step"] for record in manifest(log_dir)["checkpoints"]] == [5, 10]
     weights = checkpoint_of(log_dir, 10) / "weights"
     assert json.loads((weights / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
-    assert sorted(p.name for p in weights.glob("*.distcp")) == [  # 2 writers per rank; rank 1 holds replicas only
+    assert sorted(p.name for p in weights.glob("*.distcp")) == [  # 2 writers per rank; replicas split over ranks
         "__0_0.distcp",
         "__0_1.distcp",
         "__1_0.distcp",
+        "__1_1.distcp",
     ]
     assert logged_steps(log_dir) == list(range(10))
 
