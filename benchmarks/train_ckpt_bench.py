@@ -4,9 +4,10 @@
     python benchmarks/train_ckpt_bench.py [--every 10] [--checkpoints 3] [--reps 2] [--ranks 2]
 
 Configurations, interleaved (rotated order per repetition), each in fresh processes: no checkpoint; sync saves;
-async saves; async + parallel saves (`ckpt_parallel_save` and `ckpt_parallel_save_optim`: the replicated DDP
-state is written once, each rank its half). All with `ckpt_assume_constant_structure` and 2 writer threads per
-rank, the data-parallel `no_shard` layout (DDP), AdamW, 1 torch thread per rank. Measured, on the slowest rank:
+async saves, both with the defaults (as NeMo's: `ckpt_parallel_save` and `ckpt_parallel_save_optim`, the
+replicated DDP state written once, each rank its half); async saves without parallel save (rank 0 writes all of
+the replicated state). All with `ckpt_assume_constant_structure` and 2 writer threads per rank, the data-parallel
+`no_shard` layout (DDP), AdamW, 1 torch thread per rank. Measured, on the slowest rank:
 - step time: every step's wall time (after warm-up) up to the next step's start, so with the checkpoint callback
   and the save it runs; median and the slowest step;
 - time lost per checkpoint: (training time - the no-checkpoint run's) / number of checkpoints, training time
@@ -62,7 +63,11 @@ CONFIGS = {
     "no checkpoint": None,
     "sync": {},
     "async": {"ckpt_async_save": True},
-    "async + parallel save": {"ckpt_async_save": True, "ckpt_parallel_save": True, "ckpt_parallel_save_optim": True},
+    "async, no parallel save": {
+        "ckpt_async_save": True,
+        "ckpt_parallel_save": False,
+        "ckpt_parallel_save_optim": False,
+    },
 }
 
 
@@ -266,7 +271,9 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
         f"ranks with 1 thread each. GPT of {MODEL['vocab_size']} vocab x {MODEL['hidden_size']} "
         f"hidden, {MODEL['num_layers']} layers: {state_gib:.2f} GiB of model + optimizer state per rank (DDP, "
         f"replicated), AdamW, micro-batch 1 x {MODEL['seq_length']} tokens per rank. A checkpoint every {every} "
-        f"steps, {checkpoints} per run; `ckpt_assume_constant_structure`, 2 writer threads per rank. Copying the "
+        f"steps, {checkpoints} per run; `ckpt_assume_constant_structure`, 2 writer threads per rank, parallel save "
+        "(the default, as NeMo's: each rank writes half of the replicated state) unless the row says otherwise. "
+        "Copying the "
         f"state into preallocated memory takes {copy:.3f} s per rank; the no-checkpoint run's median step is "
         f"{base_step:.3f} s (so N=50 steps are {50 * base_step:.1f} s). Lost per checkpoint: (training time - the "
         "no-checkpoint run's) / checkpoints; step excess: per checkpoint, the saving step and the 3 after it minus 4 "
