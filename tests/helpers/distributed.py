@@ -54,7 +54,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     ``fn`` must be a module-level function. Returns each rank's return value; a failure on
     any rank is re-raised here with that rank's traceback.
     """
-    forkserver()
+    forkserver()  # sets the server's preload, which counts only before its first start
     with mp.Manager() as manager:
         results = manager.dict()
         mp.start_processes(
