@@ -53,7 +53,9 @@ def no_dcp_reader(monkeypatch):
     monkeypatch.setattr(FileSystemReader, "read_data", refuse)
 
 
-def test_fast_path_reads_reshards_and_strided_targets(tmp_path, no_dcp_reader):
+@pytest.mark.parametrize("staging_bytes", [fast_reader.STAGING_BYTES, 0], ids=["default", "one staged item at a time"])
+def test_fast_path_reads_reshards_and_strided_targets(tmp_path, no_dcp_reader, monkeypatch, staging_bytes):
+    monkeypatch.setattr(fast_reader, "STAGING_BYTES", staging_bytes)
     _save(tmp_path)
     # 2 row blocks of 4 rows (each spans 2 stored chunks), into a transposed (non-contiguous) buffer
     column_major = torch.zeros(6, 4).t()
@@ -80,14 +82,15 @@ def test_fast_path_reads_reshards_and_strided_targets(tmp_path, no_dcp_reader):
     assert torch.equal(dc.load_plain_tensors(tmp_path)["flat"], FULL)
 
 
-def test_large_tensors_are_read_in_parallel_chunks(tmp_path, no_dcp_reader, monkeypatch):
+def test_large_tensors_are_read_by_sequential_streams(tmp_path, no_dcp_reader, monkeypatch):
     _save(tmp_path, thread_count=1)
     monkeypatch.setattr(fast_reader, "READ_CHUNK", 16)
-    reads: list[tuple[str, int]] = []
+    monkeypatch.setattr(fast_reader, "STREAM_RUN", 32)
+    reads: list[tuple[str, int, int, int]] = []
     pread_all = fast_reader._pread_all
 
     def record(fd: int, view: memoryview, offset: int) -> None:
-        reads.append((threading.current_thread().name, view.nbytes))
+        reads.append((threading.current_thread().name, fd, offset, view.nbytes))
         pread_all(fd, view, offset)
 
     monkeypatch.setattr(fast_reader, "_pread_all", record)
@@ -97,9 +100,14 @@ def test_large_tensors_are_read_in_parallel_chunks(tmp_path, no_dcp_reader, monk
     }
     loaded = dc.load(request, tmp_path, validate_access_integrity=False)
     assert torch.equal(loaded["w"], FULL) and torch.equal(loaded["half"], HALF)
-    # 4 stored blocks of 48 bytes and 80 bytes of HALF, in reads of 16 bytes, by the file's range readers
-    assert sorted(n for _, n in reads) == [16] * (4 * 3 + 5)
-    assert all(name.startswith("ckpt-range-reader") for name, _ in reads)
+    # 4 stored blocks of 48 bytes and 80 bytes of HALF, in reads within 16-byte pieces of the file
+    assert sum(n for *_, n in reads) == 4 * 48 + 80
+    assert all(offset // 16 == (offset + n - 1) // 16 for _, _, offset, n in reads)
+    # each 32-byte run of the file is read by stream (run % 4), a thread with a descriptor of its own
+    assert all(name.startswith(f"ckpt-range-reader-{offset // 32 % 4}_") for name, _, offset, _ in reads)
+    descriptors = {name: {fd for thread, fd, *_ in reads if thread == name} for name, *_ in reads}
+    assert len(descriptors) == 4 and all(len(fds) == 1 for fds in descriptors.values())
+    assert len({fd for fds in descriptors.values() for fd in fds}) == 4
 
 
 def test_stored_layout_is_read_from_data_pkl(tmp_path, no_dcp_reader):
