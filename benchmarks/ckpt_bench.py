@@ -25,7 +25,8 @@ Contestants (all with torch.save's zip CRC-32s off, as ours writes them; the `zi
 - `memcpy`: copying the state into preallocated memory and into new memory, the yardsticks of async staging.
 The 1-rank run also loads the 2-rank checkpoints (a reshard). Async contestants, memcpy and torch.load run
 where the machine has memory for the copies they keep. Writes `## Checkpoint speed` in benchmarks/RESULTS.md and
-benchmarks/ckpt_speed.png. Needs about 6x the largest size x ranks of free disk under --dir.
+benchmarks/ckpt_speed.png. Needs about 6x the largest size x the sum of --ranks of free disk under --dir (checked
+at the start); removes its files when it ends, also on failure.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ SAVE_ONLY = ("dcp, zip CRCs", "ours, zip CRCs", "ours async", "dcp async_save", 
 ASYNC = ("ours async", "dcp async_save", "megatron-core async")
 MEMCPY = ("memcpy (preallocated)", "memcpy (new memory)")
 ASYNC_COPIES = 5  # copies of the state a rank holds with the async contestants: its own and four kept ones
+# files on disk at the peak, in states per rank: a run's ceiling and contestants' saves, and the 2-rank saves the
+# 1-rank run loads
+DISK_COPIES = 6
 
 
 def megatron_dist_checkpointing():
@@ -530,6 +534,17 @@ CEILING_WRITES = set(disk_ceiling.write_variants())
 CEILING_READS = set(disk_ceiling.read_variants())
 
 
+def check_free_disk(directory: Path, needed: int) -> None:
+    """Exit with a message if the file system of `directory` has less than `needed` bytes free."""
+    existing = next(p for p in [directory, *directory.parents] if p.exists())
+    free = shutil.disk_usage(existing).free
+    if free < needed:
+        sys.exit(
+            f"ckpt_bench: {needed / (1 << 30):.0f} GiB of free disk needed under --dir {directory} "
+            f"({free / (1 << 30):.0f} GiB free): pass a --dir with more room, or smaller --sizes-gib / fewer --ranks"
+        )
+
+
 def available_memory() -> int:
     """MemAvailable of /proc/meminfo, in bytes (0 where there is none)."""
     try:
@@ -594,25 +609,30 @@ def main() -> None:
     parser.add_argument("--note", default="", help="appended to the RESULTS.md section (machine, load)")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     args = parser.parse_args()
-    all_results = {}
     sizes = [int(s * (1 << 30)) // TENSOR_BYTES * TENSOR_BYTES for s in args.sizes_gib]
-    for index, size in enumerate(sizes):
-        size_gib = round(size / (1 << 30), 2)
-        reps = args.reps[min(index, len(args.reps) - 1)]
-        for world in args.ranks:
-            # async contestants and memcpy each keep a copy of the state (ours, DCP's cached staging, memcpy,
-            # megatron-core), torch.load reads into new memory
-            with_async = world * size * ASYNC_COPIES + disk_ceiling.SOURCE_BYTES <= available_memory()
-            if not with_async:
-                print(f"{size_gib} GiB per rank on {world} rank(s): async, memcpy, torch.load left out (memory)")
-            print(f"{size_gib} GiB per rank on {world} rank(s)", flush=True)
-            all_results[(size_gib, world, "same")] = run_config(size, world, reps, args.dir, with_async)
-            if world == 1 and 2 in args.ranks:
-                print(f"{size_gib} GiB per saving rank, reshard 2 -> 1", flush=True)
-                all_results[(size_gib, 1, "reshard")] = run_config(
-                    size, 1, reps, args.dir, False, reshard_from=args.dir / config_dir(size, 2)
-                )
-            print(json.dumps(all_results[(size_gib, world, "same")]), flush=True)
+    check_free_disk(args.dir, max(sizes) * DISK_COPIES * sum(args.ranks))
+    all_results = {}
+    try:
+        for index, size in enumerate(sizes):
+            size_gib = round(size / (1 << 30), 2)
+            reps = args.reps[min(index, len(args.reps) - 1)]
+            for world in args.ranks:
+                # async contestants and memcpy each keep a copy of the state (ours, DCP's cached staging, memcpy,
+                # megatron-core), torch.load reads into new memory
+                with_async = world * size * ASYNC_COPIES + disk_ceiling.SOURCE_BYTES <= available_memory()
+                if not with_async:
+                    print(f"{size_gib} GiB per rank on {world} rank(s): async, memcpy, torch.load left out (memory)")
+                print(f"{size_gib} GiB per rank on {world} rank(s)", flush=True)
+                all_results[(size_gib, world, "same")] = run_config(size, world, reps, args.dir, with_async)
+                print(json.dumps(all_results[(size_gib, world, "same")]), flush=True)
+                if world == 1 and 2 in args.ranks:
+                    print(f"{size_gib} GiB per saving rank, reshard 2 -> 1", flush=True)
+                    all_results[(size_gib, 1, "reshard")] = run_config(
+                        size, 1, reps, args.dir, False, reshard_from=args.dir / config_dir(size, 2)
+                    )
+                    print(json.dumps(all_results[(size_gib, 1, "reshard")]), flush=True)
+            shutil.rmtree(args.dir, ignore_errors=True)
+    finally:
         shutil.rmtree(args.dir, ignore_errors=True)
     text = table(all_results)
     print(text)
