@@ -188,7 +188,7 @@ class _ReadStreams:
     """`READ_STREAMS` readers of one file, each a thread with its own descriptor (its own readahead state). The
     file is dealt out in runs of `STREAM_RUN` bytes, round robin, so each reader reads sequentially, and its
     reads of `READ_CHUNK` bytes (on multiples of `READ_CHUNK` in the file) are queued in file order. Readers
-    sharing one descriptor at interleaved offsets defeat the kernel's readahead: 5-15% slower on our VM."""
+    sharing one descriptor at interleaved offsets defeat the kernel's readahead: 2-20% slower in our A/B runs."""
 
     def __init__(self, path: Path) -> None:
         self.fds: list[int] = []
