@@ -4,9 +4,11 @@
 
 Every rank holds `--sizes-gib` of 64 MiB float32 tensors, its rows of global tensors split along dim 0 (as FSDP
 or tensor parallelism shards them). Per repetition every contestant runs once, in an order shuffled each
-repetition (the same on every rank), so a loaded machine slows all alike; medians. Every save and load starts
-with the page cache dropped (when root). Times are the slowest rank's, between two barriers; a save's time does
-not include removing the previous repetition's files.
+repetition (the same on every rank), so a loaded machine slows all alike; medians. The saves' repetitions come
+first; then the copies of the state that async contestants and memcpy keep are freed (a resuming process holds
+its state once) and the loads' repetitions follow (twice as many), each reading what its contestant saved
+last. Every save and load starts with the page cache dropped (when root). Times are the slowest rank's, between
+two barriers; a save's time does not include removing the previous repetition's files.
 
 Contestants (all with torch.save's zip CRC-32s off, as ours writes them; the `zip CRCs` rows turn them on):
 - the disk ceiling (`disk_ceiling.py`): `dd conv=fdatasync` in 1, 2, 4, 8 parallel streams per rank and O_DIRECT
@@ -32,6 +34,7 @@ at the start); removes its files when it ends, also on failure.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -78,6 +81,7 @@ LOADED_SAVES = ("torch.save", "dcp", "ours", "megatron-core")
 SAVE_ONLY = ("dcp, zip CRCs", "ours, zip CRCs", "ours async", "dcp async_save", "megatron-core async")
 ASYNC = ("ours async", "dcp async_save", "megatron-core async")
 MEMCPY = ("memcpy (preallocated)", "memcpy (new memory)")
+LOAD_REPS_PER_SAVE_REP = 2  # loads take a fraction of a save's time, and cold reads on a virtual disk vary more
 ASYNC_COPIES = 5  # copies of the state a rank holds with the async contestants: its own and four kept ones
 # files on disk at the peak, in states per rank: a run's ceiling and contestants' saves, and the 2-rank saves the
 # 1-rank run loads
@@ -398,6 +402,16 @@ class Contestants:
     def load_ours(self, source: Path) -> None:
         dc.load(self.sharded(dc), source, FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy()))
 
+    def release_copies(self) -> None:
+        """Free the state's copies the async contestants and memcpy keep between saves."""
+        self.preallocated = {}
+        self.ours_async = self.ours_save_strategy(False)
+        if self.dcp_async_stager is not None:
+            self.dcp_async_stager.close()
+            self.dcp_async_stager = None
+        self.mcore_async_strategy = self.mcore_save_strategy() if self.mcore else None
+        gc.collect()
+
     def close(self) -> None:
         self.queue.close()
         if self.mcore_queue is not None:
@@ -449,8 +463,12 @@ def run_rank(
                 dist.all_reduce(value, op=dist.ReduceOp.MAX)
                 blocked[name].append(value.item())
             c.after_save(name)
+    # a resume loads into a process that holds its state once: free the copies kept by the async contestants
+    # and memcpy before the loads (with them, 5 copies at 4 GiB on 1 rank left the page cache little room)
+    c.release_copies()
+    for rep in range(reps * LOAD_REPS_PER_SAVE_REP):
         order = list(loads)
-        shuffle(order)
+        random.Random(rep).shuffle(order)
         for name in order:
             drop_caches()
             load_times[name].append(timed(loads[name]))
@@ -559,7 +577,9 @@ def available_memory() -> int:
 def write_results(text: str, path: Path, reps: str, note: str) -> None:
     section = (
         f"{SECTION}\n\n`python benchmarks/ckpt_bench.py --reps {reps}` on this 2-core VM: every contestant once per "
-        "repetition in a shuffled order, page cache dropped before every save and load; medians; the slowest "
+        "repetition in a shuffled order, the saves' repetitions first, then the copies kept by the async "
+        "contestants freed, then twice as many loads' repetitions; page cache dropped before every save and load; "
+        "medians; the slowest "
         "rank's time. `speed / ceiling`: the disk ceiling's median time over the contestant's (1.00: as fast as "
         "the best `dd` variant measured in the same run; the ceiling row is marked). `blocked`: the time an "
         "async save holds the caller before writing in the background, against copying the state into "
