@@ -6,9 +6,9 @@ Every rank holds `--sizes-gib` of 64 MiB float32 tensors, its rows of global ten
 or tensor parallelism shards them). Per repetition every contestant runs once, in an order shuffled each
 repetition (the same on every rank), so a loaded machine slows all alike; medians. The saves' repetitions come
 first; then the copies of the state that async contestants and memcpy keep are freed (a resuming process holds
-its state once) and the loads' repetitions follow (twice as many), each reading what its contestant saved
-last. Every save and load starts with the page cache dropped (when root). Times are the slowest rank's, between
-two barriers; a save's time does not include removing the previous repetition's files.
+its state once) and the loads' repetitions follow (`LOAD_REPS_PER_SAVE_REP` x as many), each reading what its
+contestant saved last. Every save and load starts with the page cache dropped (when root). Times are the slowest
+rank's, between two barriers; a save's time does not include removing the previous repetition's files.
 
 Contestants (all with torch.save's zip CRC-32s off, as ours writes them; the `zip CRCs` rows turn them on):
 - the disk ceiling (`disk_ceiling.py`): `dd conv=fdatasync` in 1, 2, 4, 8 parallel streams per rank and O_DIRECT
@@ -578,12 +578,11 @@ def write_results(text: str, path: Path, reps: str, note: str) -> None:
     section = (
         f"{SECTION}\n\n`python benchmarks/ckpt_bench.py --reps {reps}` on this 2-core VM: every contestant once per "
         "repetition in a shuffled order, the saves' repetitions first, then the copies kept by the async "
-        "contestants freed, then twice as many loads' repetitions; page cache dropped before every save and load; "
-        "medians; the slowest "
-        "rank's time. `speed / ceiling`: the disk ceiling's median time over the contestant's (1.00: as fast as "
-        "the best `dd` variant measured in the same run; the ceiling row is marked). `blocked`: the time an "
-        "async save holds the caller before writing in the background, against copying the state into "
-        f"preallocated memory. {note}\n\n{text}\n\n![checkpoint speed](ckpt_speed.png)\n"
+        f"contestants freed, then {LOAD_REPS_PER_SAVE_REP}x as many loads' repetitions; page cache dropped before "
+        "every save and load; medians; the slowest rank's time. `speed / ceiling`: the disk ceiling's median time "
+        "over the contestant's (1.00: as fast as the best `dd` variant measured in the same run; the ceiling row is "
+        "marked). `blocked`: the time an async save holds the caller before writing in the background, against "
+        f"copying the state into preallocated memory. {note}\n\n{text}\n\n![checkpoint speed](ckpt_speed.png)\n"
     )
     write_section(section, path)
 
