@@ -2,11 +2,11 @@
 
     python benchmarks/ckpt_bench.py [--sizes-gib 1 4] [--ranks 2 1] [--reps 3 2] [--dir /tmp/ckpt_bench]
 
-Every rank holds `--sizes-gib` of 64 MiB float32 tensors, its rows of global tensors split along dim 0 (as FSDP
-or tensor parallelism shards them). Per repetition every contestant runs once, in an order shuffled each
-repetition (the same on every rank), so a loaded machine slows all alike; medians. The saves' repetitions come
-first; then the copies of the state that async contestants and memcpy keep are freed (a resuming process holds
-its state once) and the loads' repetitions follow (`LOAD_REPS_PER_SAVE_REP` x as many), each reading what its
+Every rank holds `--sizes-gib` of 64 MiB float32 tensors of random values, its rows of global tensors split along
+dim 0 (as FSDP or tensor parallelism shards them). Per repetition every contestant runs once, in an order shuffled
+each repetition (the same on every rank), so a loaded machine slows all alike; medians. The saves' repetitions come
+first; then the copies of the state that async contestants and memcpy keep are freed (a resuming process holds its
+state once) and the loads' repetitions follow (`LOAD_REPS_PER_SAVE_REP` x as many), each reading what its
 contestant saved last. Every save and load starts with the page cache dropped (when root). Times are the slowest
 rank's, between two barriers; a save's time does not include removing the previous repetition's files.
 
@@ -106,11 +106,11 @@ def slug(name: str) -> str:
 
 def local_state(size: int, rank: int, shards: int = 1) -> dict[str, torch.Tensor]:
     """This rank's rows of `size // 64 MiB` global float32 tensors: 64 MiB each (`shards` times that where a
-    rank loads what `shards` ranks saved)."""
+    rank loads what `shards` ranks saved), of normally distributed values as trained weights are (a virtual disk
+    may move blocks of zeros or of one repeated value faster than the bytes a checkpoint holds)."""
     rows = TENSOR_BYTES // 4 // ROW * shards
-    return {
-        f"t{i}": torch.full((rows, ROW), float(1 + i + rank), dtype=torch.float32) for i in range(size // TENSOR_BYTES)
-    }
+    generator = torch.Generator().manual_seed(rank)
+    return {f"t{i}": torch.randn((rows, ROW), generator=generator) for i in range(size // TENSOR_BYTES)}
 
 
 def config_dir(size: int, world: int) -> str:

@@ -10,12 +10,13 @@ the replicated state). All with `ckpt_assume_constant_structure` and 2 writer th
 `no_shard` layout (DDP), AdamW, 1 torch thread per rank. Measured, on the slowest rank:
 - step time: every step's wall time (after warm-up) up to the next step's start, so with the checkpoint callback
   and the save it runs; median and the slowest step;
-- time lost per checkpoint: (training time - the no-checkpoint run's) / number of checkpoints, training time
-  being from the first measured step's start to the last step's end (the last save is finished inside it);
-  and, free of the run-to-run drift of that figure, the steps' excess: per checkpoint, the saving step and the
-  3 after it minus 4 x the median of the other steps up to the next save (the no-checkpoint row, at the same
-  steps, is its noise floor), for the first checkpoint (which allocates the async staging memory) and the
-  later ones apart;
+- time lost per checkpoint: (training time - the no-checkpoint run's) / number of checkpoints, training time being
+  from the first measured step's start to the last step's end (the last save is finished inside it), each run
+  against the no-checkpoint run of its repetition (the same round of the interleaving, minutes apart, so the pair
+  shares more of the machine's drift than runs further apart); and, free of the run-to-run drift of that figure,
+  the steps' excess: per checkpoint, the saving step and the 3 after it minus 4 x the median of the other steps up
+  to the next save (the no-checkpoint row, at the same steps, is its noise floor), for the first checkpoint (which
+  allocates the async staging memory) and the later ones apart;
 - time to commit: from the save's start to its commit (the directory renamed, the manifest updated);
 - staging memory: peak resident memory added per rank against the no-checkpoint run;
 - the baseline of the async target: copying the model + optimizer state into preallocated memory.
@@ -224,7 +225,6 @@ def excess_per_checkpoint(steps: list[float], every: int, checkpoints: int) -> l
 
 def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints: int, reps: int, note: str) -> str:
     base = measured["no checkpoint"]
-    base_train = statistics.median(r["train"] for r in base)
     base_step = statistics.median(statistics.median(r["steps"]) for r in base)
     base_peak = statistics.median(r["peak"] for r in base)
     copy = statistics.median(r["copy"] for runs in measured.values() for r in runs)
@@ -236,7 +236,6 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in measured.items():
-        train = statistics.median(r["train"] for r in runs)
         median_step = statistics.median(statistics.median(r["steps"]) for r in runs)
         slowest = statistics.median(max(r["steps"]) for r in runs)
         peak = statistics.median(r["peak"] for r in runs) - base_peak
@@ -248,7 +247,7 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
             cells = [name, f"{median_step:.3f}", f"{slowest:.3f}", "", "", "", f"{excess:.2f}", f"{first:.2f}"]
             cells += [f"{later:.2f}", "", "", "0 (baseline)"]
         else:
-            lost = (train - base_train) / checkpoints
+            lost = statistics.median((r["train"] - b["train"]) / checkpoints for r, b in zip(runs, base))
             commit = statistics.median(c for r in runs for c in r["commits"])
             cells = [
                 name,
@@ -275,10 +274,11 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
         "(the default, as NeMo's: each rank writes half of the replicated state) unless the row says otherwise. "
         "Copying the "
         f"state into preallocated memory takes {copy:.3f} s per rank; the no-checkpoint run's median step is "
-        f"{base_step:.3f} s (so N=50 steps are {50 * base_step:.1f} s). Lost per checkpoint: (training time - the "
-        "no-checkpoint run's) / checkpoints; step excess: per checkpoint, the saving step and the 3 after it minus 4 "
-        "x the median of the other steps up to the next save (within the run, so free of the runs' drift; the "
-        "no-checkpoint row, at the same steps, is its noise floor), for the first checkpoint (which allocates the "
+        f"{base_step:.3f} s (so N=50 steps are {50 * base_step:.1f} s). Lost per checkpoint: (training time - that "
+        "of the no-checkpoint run of the same repetition, the same round of the interleaving) / checkpoints; step "
+        "excess: per checkpoint, the saving step and the 3 after it minus 4 x the median of the other steps up to the "
+        "next save (within the run, so free of the runs' drift; the no-checkpoint row, at the same steps, is its "
+        "noise floor), for the first checkpoint (which allocates the "
         "async staging memory) and the later ones apart; time to commit: from the save's start to the manifest's "
         "update. "
         f"Medians over {reps} repetitions, configurations interleaved. {note}\n\n" + "\n".join(lines) + "\n"
