@@ -247,7 +247,7 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
             cells = [name, f"{median_step:.3f}", f"{slowest:.3f}", "", "", "", f"{excess:.2f}", f"{first:.2f}"]
             cells += [f"{later:.2f}", "", "", "0 (baseline)"]
         else:
-            lost = statistics.median((r["train"] - b["train"]) / checkpoints for r, b in zip(runs, base))
+            lost = statistics.median((r["train"] - b["train"]) / checkpoints for r, b in zip(runs, base, strict=True))
             commit = statistics.median(c for r in runs for c in r["commits"])
             cells = [
                 name,
@@ -278,9 +278,8 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
         "of the no-checkpoint run of the same repetition, the same round of the interleaving) / checkpoints; step "
         "excess: per checkpoint, the saving step and the 3 after it minus 4 x the median of the other steps up to the "
         "next save (within the run, so free of the runs' drift; the no-checkpoint row, at the same steps, is its "
-        "noise floor), for the first checkpoint (which allocates the "
-        "async staging memory) and the later ones apart; time to commit: from the save's start to the manifest's "
-        "update. "
+        "noise floor), for the first checkpoint (which allocates the async staging memory) and the later ones apart; "
+        "time to commit: from the save's start to the manifest's update. "
         f"Medians over {reps} repetitions, configurations interleaved. {note}\n\n" + "\n".join(lines) + "\n"
     )
 
