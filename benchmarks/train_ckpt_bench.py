@@ -298,6 +298,14 @@ def main() -> None:
     parser.add_argument("--raw", type=Path, help="also write every run's measurements to this JSON file")
     parser.add_argument("--from-raw", type=Path, help="report the measurements of an earlier --raw, run nothing")
     args = parser.parse_args()
+    if args.every <= AFFECTED_STEPS:
+        parser.error(
+            f"--every {args.every}: a checkpoint's steps are the saving one and the {AFFECTED_STEPS - 1} after it, "
+            f"measured against the steps after those up to the next save; use --every {AFFECTED_STEPS + 1} or more"
+        )
+    for option in ("checkpoints", "reps", "ranks"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option} {getattr(args, option)}: use 1 or more")
     MODEL["vocab_size"] = args.vocab_size
     names = ["no checkpoint"] + [name for name in args.configs if name != "no checkpoint"]
     if args.from_raw:
