@@ -628,6 +628,14 @@ def main() -> None:
     parser.add_argument("--note", default="", help="appended to the RESULTS.md section (machine, load)")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     args = parser.parse_args()
+    for option in ("ranks", "reps"):
+        if min(getattr(args, option)) < 1:
+            parser.error(f"--{option} {' '.join(map(str, getattr(args, option)))}: use 1 or more")
+    if min(args.sizes_gib) * (1 << 30) < TENSOR_BYTES:
+        parser.error(
+            f"--sizes-gib {' '.join(map(str, args.sizes_gib))}: the state is made of {TENSOR_BYTES >> 20} MiB "
+            f"tensors; use {TENSOR_BYTES / (1 << 30)} or more"
+        )
     sizes = [int(s * (1 << 30)) // TENSOR_BYTES * TENSOR_BYTES for s in args.sizes_gib]
     check_free_disk(args.dir, max(sizes) * DISK_COPIES * sum(args.ranks))
     all_results = {}
