@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from torch.distributed import ProcessGroup
 
@@ -20,6 +21,7 @@ from nemo_ckpt.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 from nemo_ckpt.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from nemo_ckpt.dist_checkpointing.strategies.writer_process import shared_memory_available, shared_writer_process
 from nemo_ckpt.dist_checkpointing.validation import parse_strict_flag
 from nemo_ckpt.options import strict_options
 
@@ -66,6 +68,10 @@ class DistCheckpointOptions:
         (log it, discard that checkpoint, keep training; the next interval saves again).
     ckpt_verify_on_load: check a checkpoint's files against the checksums stored at save before loading it
         (`python -m nemo_ckpt verify` does the same offline); checkpoints saved without checksums load as usual.
+    ckpt_async_writer_process: with `ckpt_async_save` and `ckpt_assume_constant_structure`, a persistent process
+        per rank (as Megatron-LM's `--use-persistent-ckpt-worker`) writes the saves from the kept CPU copies, which
+        then live in shared memory, instead of a thread of the training process: the writer no longer shares the
+        training process's GIL (Linux; GPU shards, staged into pinned memory, and other systems use the thread).
     """
 
     save_ckpt_format: str = "torch_dist"
@@ -81,6 +87,7 @@ class DistCheckpointOptions:
     ckpt_async_save_timeout: float | None = None
     ckpt_async_save_failure: str = "raise"
     ckpt_verify_on_load: bool = False
+    ckpt_async_writer_process: bool = False
 
     def __post_init__(self) -> None:
         if self.save_ckpt_format != "torch_dist":
@@ -144,6 +151,15 @@ class DistCheckpointIO(CheckpointIO):
         self.data_parallel_group = group
         self._save_strategy = self._build_save_strategy()
 
+    def start_writer_process(self, device: torch.device) -> None:
+        """Start this process's async writer process now, if the options use one for training state on `device`
+        (CPU: GPU shards are staged into pinned memory and written by a thread), so that its start overlaps the
+        set-up instead of delaying the first checkpoint."""
+        options = self.options
+        uses_process = options.ckpt_async_save and options.ckpt_assume_constant_structure
+        if uses_process and options.ckpt_async_writer_process and device.type == "cpu" and shared_memory_available():
+            shared_writer_process()
+
     def _build_save_strategy(self) -> Any:
         options = self.options
         # crc32=False: torch.load (so DCP, Megatron-Core and our reader) never checks these CRCs, and computing
@@ -155,6 +171,7 @@ class DistCheckpointIO(CheckpointIO):
             cached_metadata=options.ckpt_assume_constant_structure,
             crc32=False,
             reuse_staging_buffers=options.ckpt_assume_constant_structure,
+            writer_process=options.ckpt_async_writer_process,
         )
         if options.ckpt_parallel_save and options.ckpt_parallel_save_optim:
             include = None

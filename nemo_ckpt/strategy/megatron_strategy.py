@@ -180,6 +180,7 @@ class MegatronStrategy(DDPStrategy):
         ckpt_async_save_timeout: float | None = None,
         ckpt_async_save_failure: str = "raise",
         ckpt_verify_on_load: bool = False,
+        ckpt_async_writer_process: bool = False,
         pipeline_model_parallel_size: int = 1,
         virtual_pipeline_model_parallel_size: int | None = None,
         microbatch_group_size_per_vp_stage: int | None = None,
@@ -219,6 +220,7 @@ class MegatronStrategy(DDPStrategy):
                 ckpt_async_save_timeout=ckpt_async_save_timeout,
                 ckpt_async_save_failure=ckpt_async_save_failure,
                 ckpt_verify_on_load=ckpt_verify_on_load,
+                ckpt_async_writer_process=ckpt_async_writer_process,
             )
         )
         super().__init__(
@@ -346,6 +348,7 @@ class MegatronStrategy(DDPStrategy):
         self._device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
         self._data_context_parallel_mesh = ParallelDims.data_context_parallel_mesh(self._device_mesh)
         self.checkpoint_io.set_data_parallel_group(self.data_context_parallel_mesh.get_group())
+        self.checkpoint_io.start_writer_process(self.root_device)
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:

@@ -67,9 +67,17 @@ def small_disk(tmp_path) -> Path:
     subprocess.run(["umount", str(path)])
 
 
+@pytest.mark.parametrize("writer_process", [False, True], ids=["writer-thread", "writer-process"])
 @pytest.mark.parametrize("policy", ["warn", "raise"])
-def test_disk_full_async_save(small_disk, policy, caplog):
-    io = DistCheckpointIO(DistCheckpointOptions(ckpt_async_save=True, ckpt_async_save_failure=policy))
+def test_disk_full_async_save(small_disk, policy, writer_process, caplog):
+    io = DistCheckpointIO(
+        DistCheckpointOptions(
+            ckpt_async_save=True,
+            ckpt_async_save_failure=policy,
+            ckpt_assume_constant_structure=writer_process,
+            ckpt_async_writer_process=writer_process,
+        )
+    )
     committed, discarded = [], []
 
     def save(name: str, mib: float, value: float) -> None:

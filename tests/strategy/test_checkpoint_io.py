@@ -1,5 +1,6 @@
-"""DistCheckpointIO's ckpt_* options: errors for bad values, async completion at finalize, and the tiny recipe
-trained with async / parallel options on 2 ranks, killed and resumed bit-identically."""
+"""DistCheckpointIO's ckpt_* options: errors for bad values, async completion at finalize, the async writer process
+started at set-up where it is used, and the tiny recipe trained with async (thread or writer process) / parallel
+options on 2 ranks, killed and resumed bit-identically."""
 
 import dataclasses
 import inspect
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 from nemo_ckpt import dist_checkpointing as dc
+from nemo_ckpt.dist_checkpointing.strategies import writer_process
+from nemo_ckpt.dist_checkpointing.strategies.writer_process import shared_memory_available
 from nemo_ckpt.strategy import MegatronStrategy
 from nemo_ckpt.strategy.checkpoint_io import DistCheckpointIO, DistCheckpointOptions
 from tests.helpers.tiny_run import checkpoints, losses, step_dir, torchrun_tiny
@@ -63,6 +66,7 @@ def reference(tmp_path_factory) -> Path:
     "options",
     [
         {"ckpt_async_save": True},
+        {"ckpt_async_save": True, "ckpt_assume_constant_structure": True, "ckpt_async_writer_process": True},
         {
             "ckpt_parallel_save": True,
             "ckpt_parallel_load": True,
@@ -71,7 +75,7 @@ def reference(tmp_path_factory) -> Path:
             "ckpt_assume_constant_structure": True,
         },
     ],
-    ids=["async", "parallel"],
+    ids=["async", "async-writer-process", "parallel"],
 )
 def test_killed_run_with_options_resumes_like_the_reference(reference, tmp_path, options):
     assert torchrun_tiny(tmp_path, 10, options, kill_at_step=7) != 0
@@ -92,6 +96,22 @@ def test_killed_run_with_options_resumes_like_the_reference(reference, tmp_path,
     assert expected.keys() == resumed.keys()
     assert all(torch.equal(expected[key], resumed[key]) for key in expected)
     assert not list(checkpoints(tmp_path).glob(".tmp-*"))
+
+
+@pytest.mark.skipif(not shared_memory_available(), reason="the writer process needs Linux (memfd)")
+def test_the_writer_process_starts_at_set_up_only_where_async_saves_use_it(monkeypatch):
+    monkeypatch.setattr(writer_process, "_shared", None)
+    uses = {"ckpt_async_save": True, "ckpt_assume_constant_structure": True, "ckpt_async_writer_process": True}
+    for options, device in [
+        ({"ckpt_async_save": True, "ckpt_async_writer_process": True}, "cpu"),
+        ({**uses, "ckpt_async_writer_process": False}, "cpu"),
+        (uses, "meta"),  # stands for a GPU: its shards are staged into pinned memory, written by a thread
+    ]:
+        DistCheckpointIO(DistCheckpointOptions(**options)).start_writer_process(torch.device(device))
+        assert writer_process._shared is None, options
+    DistCheckpointIO(DistCheckpointOptions(**uses)).start_writer_process(torch.device("cpu"))
+    assert writer_process._shared is not None and writer_process._shared.alive
+    writer_process._shared.close()
 
 
 def test_strategy_takes_every_checkpoint_option_with_its_default():

@@ -4,13 +4,15 @@
    saves, so training may change the originals; with `StagingBuffers` into the memory of the
    previous save; GPU shards into pinned memory on a side stream, without blocking the host) and split
    them into `thread_count` files.
-2. `write` (any thread): waits for the GPU copies, then writes each file `__<rank>_<i>.distcp` by
-   its own thread, fsynced; every item serialized as `torch.distributed.checkpoint.FileSystemWriter`
-   does (a `torch.save` zip, at the offset DCP's metadata records), with or without the zip's CRC-32s
-   (`torch.load` never checks them; computing them is most of a save's CPU time). Large tensors go
-   from their memory to the disk with O_DIRECT, the rest through the page cache with early writeback
-   (`ItemFileStream`). Each item's CRC32C is computed from the bytes it wrote, by a thread of the file's own,
-   while the writer goes on with the next items and the disk writes these (see `integrity.py`).
+2. `write` (any thread): waits for the GPU copies, then writes each file `__<rank>_<i>.distcp` by its own
+   thread, fsynced (`write_files`; async saves staged into shared memory are written by the writer process of
+   `writer_process.py`, outside the training process's GIL); every item serialized as
+   `torch.distributed.checkpoint.FileSystemWriter` does (a `torch.save` zip, at the offset DCP's metadata
+   records), with or without the zip's CRC-32s (`torch.load` never checks them; computing them is most of a
+   save's CPU time). Large tensors go from their memory to the disk with O_DIRECT, the rest through the page
+   cache with early writeback (`ItemFileStream`). Each item's CRC32C is computed from the bytes it wrote, by a
+   thread of the file's own, while the writer goes on with the next items and the disk writes these (see
+   `integrity.py`).
 3. `finish` (training side, collective): gather the write results; the coordinator writes DCP's
    `.metadata` (atomically, fsynced) and `checksums.json`. With a `MetadataCache`, ranks
    whose shards have the same structure as last time send nothing but their write results.
@@ -29,6 +31,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +53,7 @@ from ..core import CheckpointingException
 from ..integrity import CHECKSUMS_FNAME, FileRanges, checksum, file_checksum, write_checksums
 from .async_utils import AsyncRequest
 from .direct_io import DIRECT_ALIGNMENT, DIRECT_MIN_BYTES, direct_span, open_direct
+from .writer_process import ArenaTensor, SharedArena, shared_memory_available, shared_writer_process
 
 DCP_METADATA_FNAME = ".metadata"
 KEEP_BY_REFERENCE = 1 << 20
@@ -88,18 +92,26 @@ class StagingBuffers:
     save staged while an earlier one still writes from them copies into new memory. For GPU shards the
     buffers are pinned and filled with non-blocking copies on a side stream (`DeviceToHostCopies`). They hold
     one copy of this rank's shards in host memory between saves.
+
+    With `writer_process` (Linux), the buffers of CPU shards' copies (async saves) are tensors of one
+    `SharedArena`, and `write_in_process` has this process's `shared_writer_process` write the files from them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, writer_process: bool = False) -> None:
         self._buffers: dict[MetadataIndex, torch.Tensor] = {}
         self._lock = threading.Lock()
         self._lent = False
+        self._shared = writer_process and shared_memory_available()
+        self._arena: SharedArena | None = None
+        self._places: dict[MetadataIndex, ArenaTensor] = {}
 
     def stage(self, data: dict, copy: bool) -> tuple[dict, Callable[[], None]]:
         """`data` as CPU tensors (`copy`: never the originals) and the function that returns the buffers."""
         with self._lock:
             reuse, self._lent = not self._lent, True
         try:
+            if reuse:
+                self._place_in_shared_memory(data, copy)
             staged = _copy_into(data, self._buffers if reuse else {}, copy)
         except BaseException:
             if reuse:
@@ -117,6 +129,31 @@ class StagingBuffers:
     def _release(self) -> None:
         with self._lock:
             self._lent = False
+
+    def _place_in_shared_memory(self, data: dict, copy: bool) -> None:
+        """Make the buffers tensors of a shared arena that fits `data` (copies of CPU tensors only), or forget the
+        arena where `data` does not go there."""
+        tensors = {index: value for index, value in data.items() if isinstance(value, torch.Tensor)}
+        if not (self._shared and copy and not any(t.is_cuda for t in tensors.values())):
+            self._arena, self._places = None, {}
+            return
+        specs = {index: (tensor.dtype, tuple(tensor.shape)) for index, tensor in tensors.items()}
+        if {index: (place.dtype, place.shape) for index, place in self._places.items()} == specs:
+            return
+        self._arena = SharedArena(list(specs.values()))
+        self._buffers = dict(zip(specs, self._arena.tensors))
+        self._places = dict(zip(specs, self._arena.places))
+
+    def write_in_process(self, staged: dict, write: Callable[[dict], WrittenFiles]) -> WrittenFiles | None:
+        """`write(staged)` run by the writer process, if every tensor of `staged` is a buffer in the shared arena
+        and the process is free; else None (the caller writes)."""
+        if self._arena is None or any(
+            isinstance(value, torch.Tensor) and value is not self._buffers.get(index) for index, value in staged.items()
+        ):
+            return None
+        places = {index: self._places.get(index, value) for index, value in staged.items()}
+        done, written = shared_writer_process().try_call(self._arena, write, places)
+        return written if done else None
 
 
 def _copy_into(data: dict, buffers: dict[MetadataIndex, torch.Tensor], copy: bool) -> dict:
@@ -219,11 +256,14 @@ class FileSystemWriterAsync:
         self.buckets: list[list[WriteItem]] = []
         self.data: dict = {}
         self.results: list[WriteResult] = []
+        self.in_process = False
 
     def prepare_write_data(self, items: list[WriteItem], data: dict, copy: bool) -> None:
         """Stage the data on CPU (`copy`: never the originals; into the kept buffers of `staging`, if
-        any) and assign items to files."""
+        any) and assign items to files. Copies (async saves) in the staging's shared memory are written by its
+        writer process."""
         self.items = items
+        self.in_process = copy and self.staging is not None
         with DeviceToHostCopies(data) as copies:
             if self.staging is None:
                 self.data = _copy_into(data, {}, copy)
@@ -234,53 +274,16 @@ class FileSystemWriterAsync:
 
     def write(self) -> None:
         """Write every file (one thread each) and keep the write results for `finish`."""
-        names = [f"__{self.rank}_{i}.distcp" for i in range(len(self.buckets))]
+        write = partial(
+            write_files, self.checkpoint_dir, self.rank, self.buckets, self.crc32, self.checksums is not None
+        )
         try:
             self.copies.wait()
-            if len(self.buckets) == 1:
-                self.results = self._write_file(names[0], self.buckets[0])
-            else:
-                with ThreadPoolExecutor(len(self.buckets), thread_name_prefix="ckpt-file-writer") as pool:
-                    self.results = [r for rs in pool.map(self._write_file, names, self.buckets) for r in rs]
+            written = self.staging.write_in_process(self.data, write) if self.in_process else None
+            self.results, self.checksums = written or write(self.data)
         finally:
             self.data = {}
             self.release_staging()
-
-    def _write_file(self, name: str, items: list[WriteItem]) -> list[WriteResult]:
-        results: list[WriteResult] = []
-        ranges: list[tuple[int, int]] = []
-        crcs: list[Future[int]] = []
-        with (
-            ItemFileStream(self.checkpoint_dir / name, keep_pieces=self.checksums is not None) as stream,
-            ThreadPoolExecutor(1, thread_name_prefix="ckpt-file-checksum") as checksummer,
-        ):
-
-            def end_range(start: int) -> None:
-                """The bytes from `start` on are a checksummed range; their checksum is computed while the
-                writer goes on with the next item and the disk writes these."""
-                ranges.append((start, stream.tell() - start))
-                if self.checksums is not None:
-                    crcs.append(checksummer.submit(checksum, stream.take_pieces()))
-
-            for item in items:
-                data = self.data[item.index]
-                start = stream.tell()
-                if isinstance(data, io.BytesIO):
-                    data.seek(0)
-                    results.append(dcp_write_item(stream, data, item, name))
-                else:
-                    alignment = stream.align_for_direct_write(data)
-                    if stream.tell() > start:  # the padding before the item: a range of its own
-                        end_range(start)
-                        start = stream.tell()
-                    results.append(_write_tensor_item(stream, data, item, name, self.crc32, alignment))
-                end_range(start)
-            stream.raise_deferred_error()
-            stream.file.flush()
-            os.fsync(stream.file.fileno())
-            if self.checksums is not None:
-                self.checksums[name] = [[*span, crc.result()] for span, crc in zip(ranges, crcs)]
-        return results
 
     def finish(self) -> None:
         """Collective: gather write results; the coordinator (rank 0) writes `.metadata`."""
@@ -457,6 +460,62 @@ class ItemFileStream:
     def raise_deferred_error(self) -> None:
         if self.error is not None:
             raise self.error
+
+
+WrittenFiles = tuple[list[WriteResult], FileRanges | None]
+
+
+def write_files(
+    checkpoint_dir: Path, rank: int, buckets: list[list[WriteItem]], crc32: bool, checksums: bool, data: dict
+) -> WrittenFiles:
+    """Write `buckets[i]`'s items of `data` into `__<rank>_<i>.distcp`, a thread per file; returns the write
+    results and, with `checksums`, each file's checksummed ranges."""
+    names = [f"__{rank}_{i}.distcp" for i in range(len(buckets))]
+    ranges: FileRanges | None = {} if checksums else None
+    write = partial(_write_file, checkpoint_dir, data, crc32, ranges)
+    if len(buckets) == 1:
+        return write(names[0], buckets[0]), ranges
+    with ThreadPoolExecutor(len(buckets), thread_name_prefix="ckpt-file-writer") as pool:
+        return [r for rs in pool.map(write, names, buckets) for r in rs], ranges
+
+
+def _write_file(
+    checkpoint_dir: Path, data: dict, crc32: bool, checksums: FileRanges | None, name: str, items: list[WriteItem]
+) -> list[WriteResult]:
+    results: list[WriteResult] = []
+    ranges: list[tuple[int, int]] = []
+    crcs: list[Future[int]] = []
+    with (
+        ItemFileStream(checkpoint_dir / name, keep_pieces=checksums is not None) as stream,
+        ThreadPoolExecutor(1, thread_name_prefix="ckpt-file-checksum") as checksummer,
+    ):
+
+        def end_range(start: int) -> None:
+            """The bytes from `start` on are a checksummed range; their checksum is computed while the
+            writer goes on with the next items and the disk writes these."""
+            ranges.append((start, stream.tell() - start))
+            if checksums is not None:
+                crcs.append(checksummer.submit(checksum, stream.take_pieces()))
+
+        for item in items:
+            value = data[item.index]
+            start = stream.tell()
+            if isinstance(value, io.BytesIO):
+                value.seek(0)
+                results.append(dcp_write_item(stream, value, item, name))
+            else:
+                alignment = stream.align_for_direct_write(value)
+                if stream.tell() > start:  # the padding before the item: a range of its own
+                    end_range(start)
+                    start = stream.tell()
+                results.append(_write_tensor_item(stream, value, item, name, crc32, alignment))
+            end_range(start)
+        stream.raise_deferred_error()
+        stream.file.flush()
+        os.fsync(stream.file.fileno())
+        if checksums is not None:
+            checksums[name] = [[*span, crc.result()] for span, crc in zip(ranges, crcs)]
+    return results
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:

@@ -156,6 +156,9 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
             zip tools report the entries as corrupt. Saves take about half the CPU time.
         reuse_staging_buffers: keep the CPU copies of an async save (and of GPU shards) for the next
             save, which copies into them instead of into new memory (see `StagingBuffers`).
+        writer_process: with `reuse_staging_buffers`, keep the copies of CPU shards in shared memory and have a
+            persistent process write async saves from there, outside this process's GIL (Linux; see
+            `writer_process.py`); False (default): a thread of this process writes them.
         checksums: compute a CRC32C of every written item in the writer threads and store them in
             `checksums.json` (see `integrity.py`), for `verify`.
     """
@@ -169,6 +172,7 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         crc32: bool = True,
         reuse_staging_buffers: bool = False,
         checksums: bool = True,
+        writer_process: bool = False,
     ) -> None:
         super().__init__(backend, version)
         self.checksums = checksums
@@ -176,7 +180,7 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         self.cached_metadata = cached_metadata
         self.crc32 = crc32
         self._metadata_cache = MetadataCache() if cached_metadata else None
-        self._staging = StagingBuffers() if reuse_staging_buffers else None
+        self._staging = StagingBuffers(writer_process) if reuse_staging_buffers else None
 
     @property
     def can_handle_sharded_objects(self) -> bool:
