@@ -5,9 +5,10 @@
 
 Configurations, interleaved (rotated order per repetition), each in fresh processes: no checkpoint; sync saves;
 async saves, both with the defaults (as NeMo's: `ckpt_parallel_save` and `ckpt_parallel_save_optim`, the
-replicated DDP state written once, each rank its half); async saves without parallel save (rank 0 writes all of
-the replicated state). All with `ckpt_assume_constant_structure` and 2 writer threads per rank, the data-parallel
-`no_shard` layout (DDP), AdamW, 1 torch thread per rank. Measured, on the slowest rank:
+replicated DDP state written once, each rank its half; written by a thread of the training process); async saves
+written by a writer process per rank (`ckpt_async_writer_process=True`); async saves without parallel save (rank
+0 writes all of the replicated state). All with `ckpt_assume_constant_structure` and 2 writer threads
+per rank, the data-parallel `no_shard` layout (DDP), AdamW, 1 torch thread per rank. Measured, on the slowest rank:
 - step time: every step's wall time (after warm-up) up to the next step's start, so with the checkpoint callback
   and the save it runs; median and the slowest step;
 - time lost per checkpoint: (training time - the no-checkpoint run's) / number of checkpoints, training time being
@@ -18,6 +19,9 @@ the replicated state). All with `ckpt_assume_constant_structure` and 2 writer th
   to the next save (the no-checkpoint row, at the same steps, is its noise floor), for the first checkpoint (which
   allocates the async staging memory) and the later ones apart;
 - time to commit: from the save's start to its commit (the directory renamed, the manifest updated);
+- CPU stolen by the host: the machine's `steal` time (/proc/stat, all CPUs: a virtual CPU ready to run while the
+  hypervisor ran something else, e.g. its own side of the virtual disk's writes) over the measured steps, less
+  the paired no-checkpoint run's, per checkpoint;
 - staging memory: peak resident memory added per rank against the no-checkpoint run;
 - the baseline of the async target: copying the model + optimizer state into preallocated memory.
 Medians over repetitions. Writes `## Checkpoints during training` in benchmarks/RESULTS.md.
@@ -64,6 +68,7 @@ CONFIGS = {
     "no checkpoint": None,
     "sync": {},
     "async": {"ckpt_async_save": True},
+    "async, writer process": {"ckpt_async_save": True, "ckpt_async_writer_process": True},
     "async, no parallel save": {
         "ckpt_async_save": True,
         "ckpt_parallel_save": False,
@@ -72,19 +77,32 @@ CONFIGS = {
 }
 
 
+def cpu_stolen() -> float | None:
+    """Seconds of CPU time the hypervisor has taken from this machine's CPUs since boot (`steal` in /proc/stat:
+    time a virtual CPU was ready to run while the host ran something else), or None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as stat:
+            return int(stat.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 class Measure(pl.Callback):
-    """Per step: start and end times; and the bytes of model + optimizer state."""
+    """Per step: start and end times; the CPU time stolen by the host from the first measured step to the end."""
 
     def __init__(self) -> None:
         self.starts: list[float] = []
         self.ends: list[float] = []
-        self.state_bytes = 0
+        self.stolen: list[float | None] = [None, None]
 
     def on_train_batch_start(self, *args: Any) -> None:
         self.starts.append(time.perf_counter())
+        if len(self.starts) == WARMUP_STEPS + 1:
+            self.stolen[0] = cpu_stolen()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.ends.append(time.perf_counter())
+        self.stolen[1] = cpu_stolen()
 
 
 class TimedModelCheckpoint(ModelCheckpoint):
@@ -182,6 +200,7 @@ def worker(
                 "copy": max(p[4] for p in per_rank),
                 "commits": [max(c) for c in zip(*(p[5] for p in per_rank))],
                 "checkpoints": checkpoints,
+                "stolen": None if None in measure.stolen else measure.stolen[1] - measure.stolen[0],
             }
     finally:
         dist.destroy_process_group()
@@ -232,8 +251,9 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
     lines = [
         "| configuration | median step s | slowest step s | lost per checkpoint s | lost / copy to preallocated "
         "| lost / interval at N=50 | step excess per checkpoint s | first checkpoint's excess s "
-        "| later checkpoints' excess s | later / copy | time to commit s | peak memory added / rank GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| later checkpoints' excess s | later / copy | time to commit s | peak memory added / rank GiB "
+        "| CPU stolen by the host per checkpoint s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in measured.items():
         median_step = statistics.median(statistics.median(r["steps"]) for r in runs)
@@ -245,10 +265,12 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
         later = statistics.median(x for w in windows for x in w[1:])
         if name == "no checkpoint":
             cells = [name, f"{median_step:.3f}", f"{slowest:.3f}", "", "", "", f"{excess:.2f}", f"{first:.2f}"]
-            cells += [f"{later:.2f}", "", "", "0 (baseline)"]
+            cells += [f"{later:.2f}", "", "", "0 (baseline)", ""]
         else:
             lost = statistics.median((r["train"] - b["train"]) / checkpoints for r, b in zip(runs, base, strict=True))
             commit = statistics.median(c for r in runs for c in r["commits"])
+            pairs = [(r.get("stolen"), b.get("stolen")) for r, b in zip(runs, base, strict=True)]
+            stolen = [(s - sb) / checkpoints for s, sb in pairs if s is not None and sb is not None]
             cells = [
                 name,
                 f"{median_step:.3f}",
@@ -262,6 +284,7 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
                 f"{later / copy:.2f}",
                 f"{commit:.2f}",
                 f"{peak / 2**30:.2f}",
+                f"{statistics.median(stolen):.2f}" if stolen else "",
             ]
         lines.append("| " + " | ".join(cells) + " |")
     return (
@@ -279,7 +302,9 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
         "excess: per checkpoint, the saving step and the 3 after it minus 4 x the median of the other steps up to the "
         "next save (within the run, so free of the runs' drift; the no-checkpoint row, at the same steps, is its "
         "noise floor), for the first checkpoint (which allocates the async staging memory) and the later ones apart; "
-        "time to commit: from the save's start to the manifest's update. "
+        "time to commit: from the save's start to the manifest's update; CPU stolen by the host: the machine's `steal` "
+        "time (/proc/stat, all CPUs) over the measured steps, less that of the paired no-checkpoint run, per "
+        "checkpoint. "
         f"Medians over {reps} repetitions, configurations interleaved. {note}\n\n" + "\n".join(lines) + "\n"
     )
 
