@@ -1,7 +1,7 @@
 """Every benchmark script checks its dependencies at start: a missing one stops it at once with the install
 command, and a missing optional peer (megatron-core) is named and left out."""
 
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
@@ -14,12 +14,16 @@ SCRIPTS += ["cp_bench.py", "pp_bench.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_script_starts_and_shows_its_options(script):
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--help"], capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
-    assert "usage:" in result.stdout
+def test_script_starts_and_shows_its_options(script, monkeypatch, capsys):
+    """`python benchmarks/<script> --help`, run in this interpreter (torch already imported: seconds saved per
+    script)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / script), "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
+    output = capsys.readouterr()
+    assert exit_.value.code == 0, output.err
+    assert "usage:" in output.out
 
 
 def test_missing_dependency_exits_naming_the_install_command(monkeypatch, capsys):

@@ -1,23 +1,17 @@
-"""The fine-tuning recipe under torchrun (2 ranks), optionally SIGKILLed at a step, and the tiny imported model and
-SFT set it fine-tunes.
-
-    python -m torch.distributed.run --nproc-per-node 2 -m tests.checkpoint.finetune_run \
-        DIR BASE DATA PEFT_SCHEME MAX_STEPS [KILL_AT_STEP]
-"""
+"""The fine-tuning recipe on 2 ranks (`run_recipe`), optionally SIGKILLed at a step, and the tiny imported model and
+SFT set it fine-tunes."""
 
 import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
-import fiddle as fdl
 import nemo_run as run
 import torch
 
 from recipes.finetune import finetune_recipe
-from tests.helpers.tiny_run import REPO, KillAtStep
+from tests.helpers.distributed import run_recipe
+from tests.helpers.tiny_run import KillAtStep
 
 RUN_NAME = "finetune"
 SEQ_LENGTH = 16
@@ -77,19 +71,9 @@ def tiny_finetune_recipe(
     return recipe
 
 
-def torchrun_finetune(
+def run_finetune(
     directory: Path, base: Path, data: Path, peft_scheme: str, max_steps: int, kill_at_step: int | None = None
 ) -> int:
-    """Run `tiny_finetune_recipe` on 2 torchrun ranks; return torchrun's exit code."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", __name__]
-    command += [str(directory), str(base), str(data), peft_scheme, str(max_steps)]
-    command += [str(kill_at_step)] if kill_at_step is not None else []
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, timeout=300).returncode
-
-
-if __name__ == "__main__":
-    directory, base, data, peft_scheme, max_steps, *kill = sys.argv[1:]
-    fdl.build(
-        tiny_finetune_recipe(directory, base, data, peft_scheme, int(max_steps), int(kill[0]) if kill else None)
-    )()
+    """Run `tiny_finetune_recipe` on 2 ranks; return 0 or the exit code of the rank that failed (`run_recipe`)."""
+    args = (str(directory), str(base), str(data), peft_scheme, max_steps, kill_at_step)
+    return run_recipe(tiny_finetune_recipe, 2, *args)

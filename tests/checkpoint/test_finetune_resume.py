@@ -1,5 +1,5 @@
-"""A fine-tuning run (restored from an imported Hugging Face model) on 2 torchrun ranks, SIGKILLed mid-run and
-resumed, ends bit-identical to an uninterrupted run. LoRA: its adapter checkpoints take the frozen base from the
+"""A fine-tuning run (restored from an imported Hugging Face model) on 2 ranks, SIGKILLed mid-run and resumed, ends
+bit-identical to an uninterrupted run. LoRA: its adapter checkpoints take the frozen base from the
 restore path again on resume (full fine-tuning resumes like pretraining, `tests/checkpoint/test_train_resume.py`)."""
 
 import csv
@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from nemo_ckpt import dist_checkpointing  # noqa: E402
 from nemo_ckpt.checkpoint.manifest import Manifest  # noqa: E402
 from nemo_ckpt.logger.runs import version_dirs  # noqa: E402
-from tests.checkpoint.finetune_run import RUN_NAME, imported_model_and_sft_set, torchrun_finetune  # noqa: E402
+from tests.checkpoint.finetune_run import RUN_NAME, imported_model_and_sft_set, run_finetune  # noqa: E402
 
 MAX_STEPS = 6
 
@@ -36,10 +36,10 @@ def test_killed_lora_finetuning_resumes_bit_identically(tmp_path):
     peft_scheme = "lora"
     base, data = imported_model_and_sft_set(tmp_path)
     uninterrupted, crashed = tmp_path / "uninterrupted", tmp_path / "crashed"
-    assert torchrun_finetune(uninterrupted, base, data, peft_scheme, MAX_STEPS) == 0
-    assert torchrun_finetune(crashed, base, data, peft_scheme, MAX_STEPS, kill_at_step=5) != 0
+    assert run_finetune(uninterrupted, base, data, peft_scheme, MAX_STEPS) == 0
+    assert run_finetune(crashed, base, data, peft_scheme, MAX_STEPS, kill_at_step=5) != 0
     assert sorted(saved_steps(crashed)) == [2, 4]
-    assert torchrun_finetune(crashed, base, data, peft_scheme, MAX_STEPS) == 0
+    assert run_finetune(crashed, base, data, peft_scheme, MAX_STEPS) == 0
 
     reference = logged_losses(uninterrupted)
     resumed = logged_losses(crashed)

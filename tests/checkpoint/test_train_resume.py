@@ -1,4 +1,4 @@
-"""The tiny recipe on 2 torchrun ranks: checkpoints on disk, and a SIGKILLed run resumes bit-identically."""
+"""The tiny recipe on 2 ranks: checkpoints on disk, and a SIGKILLed run resumes bit-identically."""
 
 import json
 from pathlib import Path
@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from nemo_ckpt import dist_checkpointing
-from tests.helpers.tiny_run import checkpoints, losses, step_dir, torchrun_tiny
+from tests.helpers.tiny_run import checkpoints, losses, run_tiny, step_dir
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("uninterrupted")
-    assert torchrun_tiny(directory, max_steps=10) == 0
+    assert run_tiny(directory, max_steps=10) == 0
     return directory
 
 
@@ -40,11 +40,11 @@ def test_run_leaves_complete_checkpoints_with_last_link(uninterrupted):
 
 
 def test_killed_run_resumes_at_saved_step_with_identical_weights(uninterrupted, tmp_path):
-    assert torchrun_tiny(tmp_path, max_steps=10, kill_at_step=7) != 0
+    assert run_tiny(tmp_path, max_steps=10, kill_at_step=7) != 0
     manifest = json.loads((checkpoints(tmp_path) / "checkpoints.json").read_text())
     assert [record["step"] for record in manifest["checkpoints"]] == [5]
 
-    assert torchrun_tiny(tmp_path, max_steps=10) == 0
+    assert run_tiny(tmp_path, max_steps=10) == 0
     resumed_losses = losses(tmp_path)
     assert min(resumed_losses) == 5, "the resumed run starts at the saved step, not before it"
     reference_losses = losses(uninterrupted)

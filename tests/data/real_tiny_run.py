@@ -1,6 +1,4 @@
-"""The tiny recipe on the generated corpus (`data="real"`) under torchrun, recording the tokens of every step.
-
-    python -m torch.distributed.run --nproc-per-node 2 -m tests.data.real_tiny_run DIR MAX_STEPS [KILL_AT_STEP]
+"""The tiny recipe on the generated corpus (`data="real"`) on 2 ranks, recording the tokens of every step.
 
 Checkpoints every 3 steps (keeping all).
 Each rank appends `{"step": global_step, "tokens": [...]}` per training batch to `DIR/batches-rank<R>.jsonl`.
@@ -8,10 +6,8 @@ Each rank appends `{"step": global_step, "tokens": [...]}` per training batch to
 
 import json
 import os
-import sys
 from pathlib import Path
 
-import fiddle as fdl
 import lightning.pytorch as pl
 import nemo_run as run
 
@@ -52,8 +48,3 @@ def real_tiny_recipe(directory: str, max_steps: int, kill_at_step: int | None = 
     )
     recipe.trainer.callbacks = [*recipe.trainer.callbacks, run.Config(RecordBatches, directory=directory)]
     return recipe
-
-
-if __name__ == "__main__":
-    directory, max_steps, *rest = sys.argv[1:]
-    fdl.build(real_tiny_recipe(directory, int(max_steps), int(rest[0]) if rest else None))()

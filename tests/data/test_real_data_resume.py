@@ -1,41 +1,41 @@
-"""The tiny recipe on real (generated, tokenized) data on 2 torchrun ranks: a run SIGKILLed mid-epoch resumes on
+"""The tiny recipe on real (generated, tokenized) data on 2 ranks: a run SIGKILLed mid-epoch resumes on
 exactly the batches the uninterrupted run saw, without Lightning's "not resumable" warning, to identical weights."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from nemo_ckpt import dist_checkpointing
-from tests.data.real_tiny_run import batches
-from tests.helpers.tiny_run import REPO, step_dir
+from tests.data.real_tiny_run import batches, real_tiny_recipe
+from tests.helpers.distributed import run_recipe
+from tests.helpers.tiny_run import step_dir
 
 MAX_STEPS = 6
 
 
-def torchrun_real_tiny(directory: Path, kill_at_step: int | None = None) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "tests.data.real_tiny_run"]
-    command += [str(directory), str(MAX_STEPS)] + ([str(kill_at_step)] if kill_at_step is not None else [])
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+def run_real_tiny(directory: Path, kill_at_step: int | None = None) -> tuple[int, str]:
+    """Run `real_tiny_recipe` on 2 ranks; return the exit code and the ranks' output (of this run)."""
+    logs = directory / f"logs-{kill_at_step}"
+    logs.mkdir()
+    code = run_recipe(real_tiny_recipe, 2, str(directory), MAX_STEPS, kill_at_step, logs=logs)
+    return code, "".join(path.read_text() for path in sorted(logs.iterdir()))
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("uninterrupted")
-    result = torchrun_real_tiny(directory)
-    assert result.returncode == 0, result.stderr[-3000:]
+    code, output = run_real_tiny(directory)
+    assert code == 0, output[-3000:]
     return directory
 
 
 def test_killed_run_resumes_on_the_same_batches_with_identical_weights(uninterrupted, tmp_path):
-    assert torchrun_real_tiny(tmp_path, kill_at_step=4).returncode != 0
-    resumed = torchrun_real_tiny(tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "not resumable" not in resumed.stdout + resumed.stderr
+    assert run_real_tiny(tmp_path, kill_at_step=4)[0] != 0
+    code, output = run_real_tiny(tmp_path)
+    assert code == 0, output[-3000:]
+    assert "Restoring states from the checkpoint path" in output, "the output is the resumed run's"
+    assert "not resumable" not in output
 
     for rank in (0, 1):
         expected, seen = batches(uninterrupted, rank), batches(tmp_path, rank)

@@ -1,8 +1,10 @@
 """A Megatron-Core GPT checkpoint as megatron-core writes it (weights + Adam state of its distributed optimizer),
-saved or loaded by megatron-core or by us, under torchrun:
+saved or loaded by megatron-core under torchrun (with one megatron-core version on the path):
 
     python -m torch.distributed.run --nproc-per-node N tests/dist_checkpointing/megatron_gpt_state.py \
         {megatron,ours} {save,load} CKPT {flat,model_space}
+
+or by us, also with `run_distributed(ours, N, ACTION, CKPT, FORMAT)`.
 
 The layout is megatron-core's: layers stacked under `decoder.layers.*` (prepended axis), TP-sharded linear layers
 (column-parallel `linear_qkv`, `linear_fc1`, vocab-parallel embedding and output; row-parallel `linear_proj`,
@@ -150,8 +152,8 @@ def expected_local(sharded_tensor) -> torch.Tensor:
     return value
 
 
-def main(library: str, action: str, checkpoint: str, optimizer_format: str) -> None:
-    dist.init_process_group("gloo")
+def save_or_load(library: str, action: str, checkpoint: str, optimizer_format: str) -> int:
+    """Save or load the state with `library` on this rank; a load checks every tensor and returns how many."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if library == "megatron":
         lib = import_megatron_on_cpu("megatron.core.dist_checkpointing")
@@ -159,6 +161,7 @@ def main(library: str, action: str, checkpoint: str, optimizer_format: str) -> N
         from nemo_ckpt import dist_checkpointing as lib
     flat = optimizer_format == "flat"
     template = sharded_state(lib, rank, world_size, flat, template=action == "load")
+    checked = 0
     if action == "save":
         os.makedirs(checkpoint, exist_ok=True)  # megatron-core saves into an existing directory
         lib.save(template, checkpoint)
@@ -166,7 +169,6 @@ def main(library: str, action: str, checkpoint: str, optimizer_format: str) -> N
         loaded = lib.load(template, checkpoint)
         assert loaded["iteration"] == ITERATION and loaded["checkpoint_version"] == 3.0
         assert loaded["optimizer"]["param_groups"][0]["lr"] == PARAM_GROUPS[0]["lr"]
-        checked = 0
         for name, value in loaded["model"].items():
             assert torch.equal(value, expected_local(template["model"][name])), name
             checked += 1
@@ -175,8 +177,20 @@ def main(library: str, action: str, checkpoint: str, optimizer_format: str) -> N
                 assert torch.equal(value, expected_local(template["optimizer"]["state"][index][state])), (index, state)
                 checked += 1
         assert checked == len(template["model"]) + sum(map(len, template["optimizer"]["state"].values()))
-        print(f"rank {rank}: {checked} tensors equal", flush=True)
     dist.barrier()
+    return checked
+
+
+def ours(rank: int, world_size: int, action: str, checkpoint: str, optimizer_format: str) -> int:
+    """`save_or_load` with our library, on a rank of `run_distributed`."""
+    return save_or_load("ours", action, checkpoint, optimizer_format)
+
+
+def main(library: str, action: str, checkpoint: str, optimizer_format: str) -> None:
+    dist.init_process_group("gloo")
+    checked = save_or_load(library, action, checkpoint, optimizer_format)
+    if action == "load":
+        print(f"rank {dist.get_rank()}: {checked} tensors equal", flush=True)
     dist.destroy_process_group()
 
 

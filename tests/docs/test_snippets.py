@@ -5,7 +5,11 @@ Each block runs in its own temporary directory, with the installed package and i
 `NEMORUN_HOME` in the temporary directory): bash blocks with `bash -e` (a failing line stops the block; as in
 any `set -e` script, a failure before the last `&&` of a line stops it only on the block's last line, so chain a
 block's steps on one line or write them one per line), Python blocks as a script (`python snippet.py`). A block
-passes when it exits with 0 and what the documentation says it leaves behind is there (`CLAIMS` below). Blocks in
+passes when it exits with 0 and what the documentation says it leaves behind is there (`CLAIMS` below). Python
+blocks run in a child of the test session's forkserver, whose server imported torch, Lightning and NeMo-Run once
+(`tests.helpers.distributed`): `python snippet.py` without the seconds a fresh interpreter spends importing them;
+the child takes the block's environment and working directory first (and NeMo-Run's home, which NeMo-Run reads
+once at import). Blocks in
 other languages (trees, tables, YAML) are not run. One test per block, in document order (`README.md:LINE-bash`).
 
 Conventions, an HTML comment on the line right before the opening fence:
@@ -25,6 +29,7 @@ versions `constraints.txt` pins. The rest of the block runs as written.
 import json
 import os
 import re
+import runpy
 import subprocess
 import sys
 from collections.abc import Callable
@@ -32,10 +37,12 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+import nemo_run
 import pytest
 from packaging.requirements import Requirement
 
 from nemo_ckpt.checkpoint.manifest import Manifest
+from tests.helpers.distributed import forkserver
 
 REPO = Path(__file__).resolve().parents[2]
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -142,21 +149,41 @@ def activated_environment(directory: Path) -> dict[str, str]:
     }
 
 
+def _python_script(directory: Path, env: dict[str, str]) -> None:
+    """`python snippet.py` in `directory` with `env`, output into `directory/output.txt` (a forkserver child)."""
+    with open(directory / "output.txt", "wb") as output:
+        os.dup2(output.fileno(), 1)
+        os.dup2(output.fileno(), 2)
+    os.chdir(directory)
+    os.environ.clear()
+    os.environ.update(env)
+    nemo_run.config.set_nemorun_home(env["NEMORUN_HOME"])
+    sys.argv = ["snippet.py"]
+    sys.path.insert(0, str(directory))
+    runpy.run_path("snippet.py", run_name="__main__")
+
+
 def run_snippet(snippet: Snippet, directory: Path) -> subprocess.CompletedProcess:
     """Run the block in `directory`; stdout and stderr together in the result's stdout."""
-    if snippet.language == "bash":
-        setup, script = without_setup_commands(snippet.code)
-        if setup:
-            check_environment_is_the_setup()
-        (directory / "snippet.sh").write_text(script)
-        command = ["bash", "-e", "snippet.sh"]
-    else:
+    env = activated_environment(directory)
+    if snippet.language == "python":
         (directory / "snippet.py").write_text((snippet.prepend + "\n" if snippet.prepend else "") + snippet.code)
-        command = [sys.executable, "snippet.py"]
+        process = forkserver().Process(target=_python_script, args=(directory, env))
+        process.start()
+        process.join(TIMEOUT_S)
+        if process.exitcode is None:
+            process.kill()
+            raise TimeoutError(f"{snippet} still running after {TIMEOUT_S} s")
+        output = (directory / "output.txt").read_text()
+        return subprocess.CompletedProcess(["python", "snippet.py"], process.exitcode, output)
+    setup, script = without_setup_commands(snippet.code)
+    if setup:
+        check_environment_is_the_setup()
+    (directory / "snippet.sh").write_text(script)
     return subprocess.run(
-        command,
+        ["bash", "-e", "snippet.sh"],
         cwd=directory,
-        env=activated_environment(directory),
+        env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

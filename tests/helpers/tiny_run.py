@@ -1,27 +1,20 @@
-"""The tiny recipe under torchrun, optionally with MegatronStrategy options and killed with SIGKILL at a step,
-and readers of what such a run leaves on disk.
-
-    python -m torch.distributed.run --nproc-per-node 2 -m tests.helpers.tiny_run \
-        DIR MAX_STEPS [OPTIONS_JSON [KILL_AT_STEP]]
-"""
+"""The tiny recipe on 2 ranks with torchrun's environment (`run_recipe`), optionally with MegatronStrategy options
+and killed with SIGKILL at a step, and readers of what such a run leaves on disk."""
 
 import csv
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-import fiddle as fdl
 import lightning.pytorch as pl
 import nemo_run as run
 
 from nemo_ckpt.logger.runs import version_dirs
 from recipes import pretrain_recipe
+from tests.helpers.distributed import run_recipe
 
-REPO = Path(__file__).resolve().parents[2]
 RUN_NAME = "tiny"
 
 
@@ -56,25 +49,11 @@ def tiny_recipe(
     return recipe
 
 
-def torchrun_tiny(
+def run_tiny(
     directory: Path, max_steps: int, options: dict[str, Any] | None = None, kill_at_step: int | None = None
 ) -> int:
-    """Run `tiny_recipe` on 2 torchrun ranks; return torchrun's exit code."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "tests.helpers.tiny_run",
-        str(directory),
-        str(max_steps),
-        json.dumps(options or {}),
-    ]
-    command += [str(kill_at_step)] if kill_at_step is not None else []
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, timeout=300).returncode
+    """Run `tiny_recipe` on 2 ranks; return 0 or the exit code of the rank that failed (`run_recipe`)."""
+    return run_recipe(tiny_recipe, 2, str(directory), max_steps, options, kill_at_step)
 
 
 def checkpoints(directory: Path) -> Path:
@@ -97,10 +76,3 @@ def losses(directory: Path) -> dict[int, float]:
             for row in csv.DictReader(handle)
             if row["reduced_train_loss"]
         }
-
-
-if __name__ == "__main__":
-    directory, max_steps, *rest = sys.argv[1:]
-    options = json.loads(rest[0]) if rest else None
-    kill_at_step = int(rest[1]) if len(rest) > 1 else None
-    fdl.build(tiny_recipe(directory, int(max_steps), options, kill_at_step))()

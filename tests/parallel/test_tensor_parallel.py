@@ -8,7 +8,7 @@ from nemo_ckpt.models.gpt.parallelize import validate_tensor_parallel
 from tests.helpers.distributed import run_distributed
 from tests.helpers.tensor_parallel import build_model, global_batches, train
 
-STEPS = 20
+STEPS = 10
 
 
 def train_losses(
@@ -30,7 +30,7 @@ def train_losses(
 )
 def test_tensor_parallel_matches_single_process(world_size, tensor_parallel, sequence_parallel, fsdp, config_overrides):
     reference = train_losses(0, 1, config_overrides, 1, False, False)
-    assert reference[-1] < reference[0] - 1.0, "the tiny model learns"
+    assert reference[-1] < reference[0] - 0.5, "the tiny model learns"
     per_rank = run_distributed(train_losses, world_size, config_overrides, tensor_parallel, sequence_parallel, fsdp)
     for losses in per_rank:
         assert losses == pytest.approx(reference, rel=1e-5, abs=1e-5)

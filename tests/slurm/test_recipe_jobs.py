@@ -118,7 +118,7 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(
     slurm_cluster: SlurmCluster, nemorun_home: Path, tmp_path: Path
 ) -> None:
     log_dir = tmp_path / "runs"
-    max_steps = 150
+    max_steps = 50
     exp_id, job_id, job_dir = submit(tiny(log_dir, max_steps=max_steps, every_n_train_steps=10), signal="USR1@60")
     deadline = time.monotonic() + 120
     while not (log_dir / "tiny" / "checkpoints" / "checkpoints.json").exists() or not manifest(log_dir)["checkpoints"]:

@@ -209,7 +209,7 @@ def test_hung_rank_fails_the_job_within_the_timeout_and_the_retry_resumes(
     `retries=2`: on a loaded machine node1's slurmd can be so late cleaning up the first attempt that its terminate
     order for the job (same job id) kills the first retry on node1; the next retry then runs (seen with Slurm 22.05).
     """
-    timeout_s, max_steps = 30, 120
+    timeout_s, max_steps = 30, 40
     log_dir = tmp_path / "runs"
     recipe = tiny(log_dir, nodes=2, max_steps=max_steps, every=10)
     recipe.trainer.strategy.timeout = run.Config(timedelta, seconds=timeout_s)
@@ -242,7 +242,7 @@ def test_preemption_signal_reaches_both_nodes_checkpoints_requeues_and_resumes(
     two_node_cluster: SlurmCluster, nemorun_home: Path, tmp_path: Path
 ) -> None:
     """2 nodes x 2 ranks: every rank of both nodes gets the signal, all four agree to save and stop."""
-    log_dir, max_steps = tmp_path / "runs", 120
+    log_dir, max_steps = tmp_path / "runs", 40
     recipe = tiny(log_dir, nodes=2, max_steps=max_steps, every=10, ranks_per_node=2)
     job_id, job_dir = submit(recipe, nodes=2, signal="USR1@60")
     wait_for_checkpoint(two_node_cluster, job_id, log_dir)

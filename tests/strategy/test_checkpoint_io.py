@@ -15,7 +15,7 @@ from nemo_ckpt.dist_checkpointing.strategies import writer_process
 from nemo_ckpt.dist_checkpointing.strategies.writer_process import shared_memory_available
 from nemo_ckpt.strategy import MegatronStrategy
 from nemo_ckpt.strategy.checkpoint_io import DistCheckpointIO, DistCheckpointOptions
-from tests.helpers.tiny_run import checkpoints, losses, step_dir, torchrun_tiny
+from tests.helpers.tiny_run import checkpoints, losses, run_tiny, step_dir
 
 
 def test_bad_options_name_the_option():
@@ -58,7 +58,7 @@ def test_async_checkpoint_io_finalizes_at_maybe_finalize_and_teardown(tmp_path):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("reference")
-    assert torchrun_tiny(directory, max_steps=10) == 0
+    assert run_tiny(directory, max_steps=10) == 0
     return directory
 
 
@@ -78,11 +78,11 @@ def reference(tmp_path_factory) -> Path:
     ids=["async", "async-writer-process", "parallel"],
 )
 def test_killed_run_with_options_resumes_like_the_reference(reference, tmp_path, options):
-    assert torchrun_tiny(tmp_path, 10, options, kill_at_step=7) != 0
+    assert run_tiny(tmp_path, 10, options, kill_at_step=7) != 0
     manifest = json.loads((checkpoints(tmp_path) / "checkpoints.json").read_text())
     committed = [(record["step"], record["state"]) for record in manifest["checkpoints"]]
     assert committed == [(5, "complete")], "step 5 was committed during training"
-    assert torchrun_tiny(tmp_path, 10, options) == 0
+    assert run_tiny(tmp_path, 10, options) == 0
     assert min(losses(tmp_path)) == 5
     assert losses(tmp_path) == {step: loss for step, loss in losses(reference).items() if step >= 5}
     files_per_rank = options.get("ckpt_torch_dist_multiproc", 2)

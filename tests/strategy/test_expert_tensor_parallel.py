@@ -2,9 +2,9 @@
 process, and a checkpoint saved that way resuming on one process with identical weights and optimizer state.
 
 Two spawns, processes reused for several runs: 4 ranks (experts sharded over tp, expert_tensor_parallel_size=2,
-for 20 steps; experts whole on every tp rank, expert_tensor_parallel_size=1, with sequence parallelism and FSDP2
-for 20 steps; the chain's first leg, experts sharded with sequence parallelism and FSDP2 -> step 6), then 1 process
-(the reference; the chain's second leg -> step 12).
+for 10 steps; experts whole on every tp rank, expert_tensor_parallel_size=1, with sequence parallelism and FSDP2
+for 10 steps; the chain's first leg, experts sharded with sequence parallelism and FSDP2 -> step 5), then 1 process
+(the reference; the chain's second leg -> step 10).
 """
 
 from pathlib import Path
@@ -14,7 +14,7 @@ import pytest
 from tests.helpers.distributed import run_distributed
 from tests.helpers.trainer import assert_same_checkpoint, fit
 
-MAX_STEPS = 20
+MAX_STEPS = 10
 MOE = {
     "num_moe_experts": 4,
     "moe_router_topk": 2,
@@ -34,7 +34,7 @@ def four_ranks(rank: int, world_size: int, directory: Path) -> dict[str, list[fl
             **EP2_TP2,
         ),
         "chain_ep2_tp2": fit(
-            world_size, FSDP2, MAX_STEPS, stop_at=6, save_to=directory / "step6", model_overrides=MOE,
+            world_size, FSDP2, MAX_STEPS, stop_at=5, save_to=directory / "step5", model_overrides=MOE,
             sequence_parallel=True, **EP2_TP2,
         ),
     }  # fmt: skip
@@ -44,7 +44,7 @@ def one_process(rank: int, world_size: int, directory: Path) -> dict[str, list[f
     return {
         "reference": fit(world_size, {}, MAX_STEPS, model_overrides=MOE),
         "chain_one_process": fit(
-            world_size, {}, MAX_STEPS, ckpt_path=directory / "step6", stop_at=12, save_at_start=directory / "loaded6",
+            world_size, {}, MAX_STEPS, ckpt_path=directory / "step5", save_at_start=directory / "loaded5",
             model_overrides=MOE,
         ),
     }  # fmt: skip
@@ -66,7 +66,7 @@ def assert_same_losses(actual: list[float], expected: list[float]) -> None:
 def test_ep2_tp2_with_sharded_experts_matches_one_process(runs):
     _, losses = runs
     assert_same_losses(losses["ep2_tp2"], losses["reference"])
-    assert losses["reference"][-1] < losses["reference"][0] - 0.5  # it learns
+    assert losses["reference"][-1] < losses["reference"][0] - 0.3  # it learns
 
 
 def test_ep2_tp2_with_whole_experts_and_sequence_parallel_matches_one_process(runs):
@@ -76,5 +76,5 @@ def test_ep2_tp2_with_whole_experts_and_sequence_parallel_matches_one_process(ru
 
 def test_ep2_tp2_checkpoint_resumes_on_one_process(runs):
     directory, losses = runs
-    assert_same_checkpoint(directory / "step6", directory / "loaded6")
-    assert_same_losses(losses["chain_ep2_tp2"] + losses["chain_one_process"], losses["reference"][:12])
+    assert_same_checkpoint(directory / "step5", directory / "loaded5")
+    assert_same_losses(losses["chain_ep2_tp2"] + losses["chain_one_process"], losses["reference"])

@@ -4,7 +4,7 @@ pipeline layouts with identical weights and optimizer state.
 One run is passed along a chain of layouts, a few steps each: PP=2 1F1B (DDP) -> PP=2 V=2 (interleaved) ->
 PP=1 DP=2 FSDP2 -> PP=4 with uneven first/last stages -> PP=2 x DP=2 FSDP2 -> PP=2 x TP=2 -> one process. Its
 losses are compared with one uninterrupted process, each checkpoint with what the next layout loaded. A run
-killed with SIGKILL under PP=2 resumes bit-identically (the tiny recipe under torchrun).
+killed with SIGKILL under PP=2 resumes bit-identically (the tiny recipe on 2 ranks).
 """
 
 from pathlib import Path
@@ -95,9 +95,9 @@ def test_resume_loads_identical_weights_and_optimizer_state(chain, phase):
 def test_kill_mid_run_under_pipeline_resumes_bit_identically(tmp_path):
     options = {"pipeline_model_parallel_size": 2}  # the tiny recipe: 2 micro-batches of 4 per step
     uninterrupted_dir, crashed_dir = tmp_path / "uninterrupted", tmp_path / "crashed"
-    assert tiny_run.torchrun_tiny(uninterrupted_dir, max_steps=10, options=options) == 0
-    assert tiny_run.torchrun_tiny(crashed_dir, max_steps=10, options=options, kill_at_step=7) != 0
-    assert tiny_run.torchrun_tiny(crashed_dir, max_steps=10, options=options) == 0
+    assert tiny_run.run_tiny(uninterrupted_dir, max_steps=10, options=options) == 0
+    assert tiny_run.run_tiny(crashed_dir, max_steps=10, options=options, kill_at_step=7) != 0
+    assert tiny_run.run_tiny(crashed_dir, max_steps=10, options=options) == 0
     resumed_losses, reference_losses = tiny_run.losses(crashed_dir), tiny_run.losses(uninterrupted_dir)
     assert min(resumed_losses) == 5
     assert resumed_losses == {step: reference_losses[step] for step in range(5, 10)}
