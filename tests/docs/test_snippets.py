@@ -9,8 +9,8 @@ passes when it exits with 0 and what the documentation says it leaves behind is 
 blocks run in a child of the test session's forkserver, whose server imported torch, Lightning and NeMo-Run once
 (`tests.helpers.distributed`): `python snippet.py` without the seconds a fresh interpreter spends importing them;
 the child takes the block's environment and working directory first (and NeMo-Run's home, which NeMo-Run reads
-once at import). Blocks in
-other languages (trees, tables, YAML) are not run. One test per block, in document order (`README.md:LINE-bash`).
+once at import). Blocks in other languages (trees, tables, YAML) are not run. One test per block, in document
+order (`README.md:LINE-bash`).
 
 Conventions, an HTML comment on the line right before the opening fence:
 

@@ -40,6 +40,7 @@ def free_port() -> int:
 
 def _start_ranks(entry: Callable, world_size: int, *args: Any) -> None:
     """Fork ``entry(rank, world_size, port, environ, *args)`` on ``world_size`` ranks and wait for all of them."""
+    forkserver()  # sets the server's preload, which counts only before its first start
     environ = dict(os.environ)
     mp.start_processes(
         entry, args=(world_size, free_port(), environ, *args), nprocs=world_size, join=True, start_method="forkserver"
@@ -72,7 +73,6 @@ def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     ``fn`` must be a module-level function. Returns each rank's return value; a failure on
     any rank is re-raised here with that rank's traceback.
     """
-    forkserver()  # sets the server's preload, which counts only before its first start
     with mp.Manager() as manager:
         results = manager.dict()
         _start_ranks(_worker, world_size, fn, args, results)
@@ -100,7 +100,6 @@ def run_recipe(recipe: Callable, world_size: int, *args: Any, logs: Path | None 
     Returns 0, or the exit code of the first rank that failed (1 for a Python exception, whose traceback is
     printed; ``-9`` for SIGKILL); the other ranks are then stopped, as torchrun stops them.
     """
-    forkserver()
     try:
         _start_ranks(_recipe_rank, world_size, recipe, args, logs)
     except ProcessExitedException as failure:
