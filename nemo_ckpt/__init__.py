@@ -14,10 +14,9 @@
 Names are imported on first use, so `from nemo_ckpt import dist_checkpointing` does not load Lightning.
 """
 
-import importlib
-from typing import Any
+from nemo_ckpt._lazy import lazy_exports
 
-_EXPORTS = {
+_EXPORTS: dict[str, str | None] = {
     "AutoResume": "nemo_ckpt.checkpoint.resume",
     "DistributedDataParallelConfig": "nemo_ckpt.parallel.ddp_config",
     "MegatronStrategy": "nemo_ckpt.strategy.megatron_strategy",
@@ -25,15 +24,8 @@ _EXPORTS = {
     "NeMoLogger": "nemo_ckpt.logger.nemo_logger",
     "OptimizerConfig": "nemo_ckpt.optim",
     "pretrain": "nemo_ckpt.api",
+    "dist_checkpointing": None,
 }
 
-__all__ = [*_EXPORTS, "dist_checkpointing"]
-
-
-def __getattr__(name: str) -> Any:
-    """Import an exported name on first use (PEP 562)."""
-    if name == "dist_checkpointing":
-        return importlib.import_module("nemo_ckpt.dist_checkpointing")
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'nemo_ckpt' has no attribute {name!r}")
+__all__ = list(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

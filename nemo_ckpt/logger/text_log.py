@@ -77,9 +77,9 @@ def launcher_env() -> dict[str, str]:
 
 def quiet_console(quiet: bool) -> None:
     """Filter (or stop filtering) Lightning's start-up notices from its console handlers, and ignore warnings
-    that do not concern the user (`IRRELEVANT_WARNINGS`). Applied when `nemo_ckpt.logger` is imported (before a
-    recipe builds its Trainer, which prints them) unless `verbose_requested()`; `NeMoLogger(verbose=...)` sets it
-    again."""
+    that do not concern the user (`IRRELEVANT_WARNINGS`). Applied when this module is imported (by `NeMoLogger`,
+    before a recipe builds its Trainer, which prints them) unless `verbose_requested()`; `NeMoLogger(verbose=...)`
+    sets it again."""
     for name in ("lightning.pytorch", "lightning.fabric"):
         for handler in logging.getLogger(name).handlers:
             if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
@@ -137,3 +137,6 @@ class TextLog(pl.Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.close()
+
+
+quiet_console(not verbose_requested())

@@ -31,7 +31,7 @@ from tests.helpers.recipe import checkpoint_dir
 
 WORLD_SIZE = 2
 MAX_STEPS = 100
-TRIALS = 20  # per mode: 40 kills in all
+TRIALS = 12  # per mode: 24 kills in all
 MARGIN = 10  # steps kept between any step a trial waits for and MAX_STEPS
 SEED = int(os.environ.get("CRASH_TEST_SEED", "0"))
 

@@ -1,5 +1,6 @@
 """A GPT checkpoint with its distributed optimizer's Adam state, exchanged with every installed megatron-core
-version in both directions across world sizes 4 -> 2 and 1 (tensor-parallel 2 -> 1).
+version in both directions across world sizes (tensor-parallel 2 -> 1): megatron-core's, saved on 4 ranks, loads here
+on 2 and 1; ours, saved on 4, loads in megatron-core on 2 (each megatron-core run is a torchrun of fresh processes).
 
 megatron-core writes the optimizer format it uses by default: 0.15.3 `fully_sharded_model_space` (flattened
 ranges of the dp ranks, stored in its reformulated layout), 0.19.2 `fully_reshardable` (model space). Our
@@ -42,8 +43,6 @@ def test_megatron_checkpoint_loads_here_at_other_world_sizes(version, tmp_path):
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_our_checkpoint_loads_in_megatron_at_other_world_sizes(version, our_checkpoint):
-    for world_size in (2, 1):
-        args = ("megatron", "load", str(our_checkpoint), "model_space")
-        output = torchrun(world_size, WORKER, *args, site=site(version))
-        assert output.stdout.count("tensors equal") == world_size, output.stdout
+def test_our_checkpoint_loads_in_megatron_at_another_world_size(version, our_checkpoint):
+    output = torchrun(2, WORKER, "megatron", "load", str(our_checkpoint), "model_space", site=site(version))
+    assert output.stdout.count("tensors equal") == 2, output.stdout

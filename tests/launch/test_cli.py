@@ -3,40 +3,32 @@ submit; `--to-yaml` exports a recipe that `--yaml` reads back."""
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
+from tests.helpers import commands
+
 
 def test_slurm_dryrun_prints_sbatch_script_and_submits_nothing(tmp_path):
-    nemo = Path(sys.executable).with_name("nemo")
-    env = {**os.environ, "NEMORUN_HOME": str(tmp_path / "home")}
-    result = subprocess.run(
-        [
-            str(nemo),
-            "nemo_ckpt",
-            "pretrain",
-            "--factory",
-            "tiny",
-            "trainer.max_steps=20",
-            "trainer.num_nodes=2",
-            "trainer.devices=4",
-            "data.global_batch_size=32",
-            "run.executor=slurm",
-            "run.executor.account=llm",
-            "run.executor.nodes=2",
-            "run.executor.ntasks_per_node=4",
-            "run.executor.time=01:00:00",
-            "--dryrun",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        stdin=subprocess.DEVNULL,
+    result = commands.nemo(
+        "nemo_ckpt",
+        "pretrain",
+        "--factory",
+        "tiny",
+        "trainer.max_steps=20",
+        "trainer.num_nodes=2",
+        "trainer.devices=4",
+        "data.global_batch_size=32",
+        "run.executor=slurm",
+        "run.executor.account=llm",
+        "run.executor.nodes=2",
+        "run.executor.ntasks_per_node=4",
+        "run.executor.time=01:00:00",
+        "--dryrun",
+        env={**os.environ, "NEMORUN_HOME": str(tmp_path / "home")},
     )
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stdout
     lines = result.stdout.splitlines()
     assert "#SBATCH --account=llm" in lines and "#SBATCH --nodes=2" in lines and "#SBATCH --time=01:00:00" in lines
     [srun] = [line for line in lines if line.startswith("srun ")]
@@ -46,18 +38,10 @@ def test_slurm_dryrun_prints_sbatch_script_and_submits_nothing(tmp_path):
 
 
 def nemo(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    nemo = Path(sys.executable).with_name("nemo")
-    env = {**os.environ, "NEMORUN_HOME": str(cwd / "home")}
-    result = subprocess.run(
-        [str(nemo), "nemo_ckpt", "pretrain", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=cwd,
-        stdin=subprocess.DEVNULL,
+    result = commands.nemo(
+        "nemo_ckpt", "pretrain", *args, cwd=cwd, env={**os.environ, "NEMORUN_HOME": str(cwd / "home")}
     )
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == 0, result.stdout
     return result
 
 

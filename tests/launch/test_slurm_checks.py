@@ -3,7 +3,6 @@ runs, with the settings named and both ways to fix them; the command line submit
 
 import io
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 
 from launch.slurm import check_layout, slurm_executor
 from recipes import pretrain_recipe
+from tests.helpers import commands
 
 
 @pytest.fixture(autouse=True)
@@ -94,24 +94,17 @@ def test_every_mismatch_is_reported_at_once() -> None:
 
 def test_command_line_rejects_a_mismatch_and_submits_nothing(tmp_path: Path) -> None:
     home = tmp_path / "home"
-    result = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("nemo")),
-            "nemo_ckpt",
-            "pretrain",
-            "--factory",
-            "tiny",
-            "run.executor=slurm",
-            "run.executor.nodes=2",
-            "--yes",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = commands.nemo(
+        "nemo_ckpt",
+        "pretrain",
+        "--factory",
+        "tiny",
+        "run.executor=slurm",
+        "run.executor.nodes=2",
+        "--yes",
         env={**os.environ, "NEMORUN_HOME": str(home), "SLURM_CONF": str(tmp_path / "no-cluster.conf")},
-        stdin=subprocess.DEVNULL,
     )
-    output = result.stdout + result.stderr
+    output = result.stdout
     assert "trainer.num_nodes=1 but the executor has nodes=2: set trainer.num_nodes=2 or run.executor.nodes=1" in output
     assert "trainer.devices=2 but the executor starts ntasks_per_node=1 ranks per node" in output
     assert not list(home.rglob("*_sbatch.sh")) and not (home / ".slurm_jobs").exists(), "nothing submitted"

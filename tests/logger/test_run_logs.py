@@ -1,12 +1,10 @@
-"""The README's first command, as a user runs it: the tiny recipe through `nemo ... run.executor=local` (torchrun,
-2 ranks) for 20 steps, then resumed to 30: the console, the TensorBoard events and CSVs of both versions, the
-`runs` and `plot` commands on them."""
+"""The README's set-up command, as a user runs it (the block itself, `tests/helpers/snippets.py`, run once per session
+with its documentation test): the tiny recipe through `nemo ... run.executor=local` (torchrun, 2 ranks) for 20 steps,
+then resumed to 30: the console, the TensorBoard events and CSVs of both versions, the `runs` and `plot` commands on
+them."""
 
 import csv
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,33 +14,24 @@ from nemo_ckpt.logger.cli import main as logger_cli
 from nemo_ckpt.logger.flops import training_flops_per_token
 from nemo_ckpt.logger.runs import version_dirs
 from nemo_ckpt.models import gpt_config
+from tests.helpers.snippets import SNIPPETS, run_once
 
-REPO = Path(__file__).resolve().parents[2]
-NEMO = str(Path(sys.executable).with_name("nemo"))
+SET_UP = "pretrain --factory tiny trainer.max_steps=20 run.executor=local --yes && nemo nemo_ckpt pretrain"
 GLOBAL_BATCH_SIZE = 8  # the tiny recipe: micro-batch 4 on each of 2 ranks
 TOKENS_PER_STEP = GLOBAL_BATCH_SIZE * 32
-
-
-def pretrain(log_dir: Path, max_steps: int, home: Path) -> str:
-    """Run the tiny recipe with the CLI, as the README does; return what it printed."""
-    command = [NEMO, "nemo_ckpt", "pretrain", "--factory", "tiny", f"trainer.max_steps={max_steps}"]
-    command += [f"log.log_dir={log_dir}", "run.executor=local", "--yes"]
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    env = {**os.environ, "NEMORUN_HOME": str(home), "PATH": path}
-    env.pop("LOGLEVEL", None)
-    result = subprocess.run(
-        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL
-    )
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
-    return result.stdout + result.stderr
+RUN_HEADER = "Dry run for task nemo_ckpt.api:pretrain"  # what NeMo-Run prints as each `nemo ... --yes` starts
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[Path, list[str]]:
-    """`<log_dir>/tiny` after two runs (to step 20, then 30: checkpoints every 10 steps) and their console output."""
-    root = tmp_path_factory.mktemp("run_logs")
-    outputs = [pretrain(root / "logs", max_steps, root / "nemo_run") for max_steps in (20, 30)]
-    return root / "logs" / "tiny", outputs
+    """`nemo_experiments/tiny` after the README's set-up command (checkpoints every 10 steps) and the console output
+    of its two runs (to step 20, then 30)."""
+    [set_up] = [snippet for snippet in SNIPPETS if SET_UP in snippet.code]
+    directory, result = run_once(set_up, tmp_path_factory.mktemp)
+    assert result.returncode == 0, result.stdout[-5000:]
+    _, *outputs = result.stdout.split(RUN_HEADER)
+    assert len(outputs) == 2, f"two runs: {result.stdout[-5000:]}"
+    return directory / "nemo_experiments" / "tiny", outputs
 
 
 def csv_rows(path: Path) -> list[dict[str, str]]:
@@ -73,11 +62,8 @@ def test_console_shows_every_step_the_resume_point_and_no_noise(runs):
     for noise in notices:
         assert noise not in first, noise
 
-    checkpoint = (
-        run_dir
-        / "checkpoints"
-        / next(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.endswith("step=20"))
-    )
+    name = next(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.endswith("step=20"))
+    checkpoint = Path("nemo_experiments", "tiny", "checkpoints", name)  # the recipe's log_dir, relative
     assert f"resuming from {checkpoint} at step 20, consumed_samples 160" in second
     assert [line.split(" | ")[0] for line in iterations(second)] == [f"iteration {s}/30" for s in range(21, 31)]
 

@@ -1,5 +1,4 @@
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ from nemo_ckpt.api import pretrain
 from nemo_ckpt.models import GPTModel
 from nemo_ckpt.strategy import MegatronStrategy
 from recipes import pretrain_recipe
+from tests.helpers import commands
 
 
 def test_recipe_is_an_editable_partial_of_pretrain(tmp_path):
@@ -32,26 +32,20 @@ def test_recipe_is_an_editable_partial_of_pretrain(tmp_path):
 
 def test_cli_dryrun_prints_resolved_config():
     activated = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # torchrun
-    result = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("nemo")),
-            "nemo_ckpt",
-            "pretrain",
-            "--factory",
-            "tiny",
-            "trainer.max_steps=33",
-            "model.config.hidden_size=96",
-            "run.executor=local",
-            "run.executor.ntasks_per_node=2",
-            "--dryrun",
-            "--yes",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    result = commands.nemo(
+        "nemo_ckpt",
+        "pretrain",
+        "--factory",
+        "tiny",
+        "trainer.max_steps=33",
+        "model.config.hidden_size=96",
+        "run.executor=local",
+        "run.executor.ntasks_per_node=2",
+        "--dryrun",
+        "--yes",
         env=activated,
     )
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stdout
     out = "".join(result.stdout.split())
     assert "max_steps=33" in out and "hidden_size=96" in out and "strategy=MegatronStrategy(" in out
     assert "ddp=DistributedDataParallelConfig(" in out

@@ -1,12 +1,19 @@
-"""The logs of the tests' NeMo-Run Slurm jobs, and the `nemo` command that shows them."""
+"""The logs of the tests' NeMo-Run Slurm jobs (text and metrics), and the `nemo` command that shows them."""
 
+import csv
 import re
-import subprocess
-import sys
 from pathlib import Path
 
+from nemo_ckpt.logger.runs import version_dirs
+from tests.helpers import commands
+
 REPO = Path(__file__).resolve().parents[2]
-NEMO = str(Path(sys.executable).with_name("nemo"))
+
+
+def logged_steps(log_dir: Path) -> list[int]:
+    """Training steps in the CSV metrics of the latest run (NeMoLogger version)."""
+    with open(version_dirs(log_dir / "tiny")[-1] / "metrics.csv") as handle:
+        return [int(row["step"]) for row in csv.DictReader(handle) if row["reduced_train_loss"]]
 
 
 def job_log(job_dir: Path, job_id: str, task: str = "pretrain") -> str:
@@ -35,8 +42,6 @@ def attempts(log: str, job_id: str) -> list[str]:
 def nemo(*args: str) -> str:
     """Run the `nemo` command line (NeMo-Run's, with this package's entry point); its output, which must be a
     success."""
-    result = subprocess.run(
-        [NEMO, *args], check=False, cwd=REPO, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout + result.stderr
+    result = commands.nemo(*args, cwd=REPO, timeout=240)
+    assert result.returncode == 0, result.stdout
+    return result.stdout

@@ -1,8 +1,8 @@
-"""The tiny recipe as real Slurm jobs (1 node x 2 torchrun ranks): train, resume, preempt and requeue."""
+"""The tiny recipe as real Slurm jobs (1 node x 2 torchrun ranks): train, then resume in a second job; a job's
+account. The command line's submission, preemption and requeue are tested on two nodes (`test_two_nodes.py`), where
+each node runs 1 or 2 ranks."""
 
-import csv
 import json
-import re
 import subprocess
 import sys
 import time
@@ -12,10 +12,9 @@ import nemo_run as run
 import pytest
 
 from launch.slurm import slurm_executor
-from nemo_ckpt.logger.runs import version_dirs
 from recipes import pretrain_recipe
 from tests.slurm.cluster import SlurmCluster
-from tests.slurm.jobs import attempts, job_log, nemo
+from tests.slurm.jobs import job_log, logged_steps, nemo
 
 JOB_PATH = f"{Path(sys.executable).parent}:$PATH"  # torchrun and python of this venv
 
@@ -43,12 +42,6 @@ def manifest(log_dir: Path) -> dict:
 def checkpoint_of(log_dir: Path, step: int) -> Path:
     [name] = [record["name"] for record in manifest(log_dir)["checkpoints"] if record["step"] == step]
     return log_dir / "tiny" / "checkpoints" / name
-
-
-def logged_steps(log_dir: Path) -> list[int]:
-    """Training steps in the CSV metrics of the latest run (NeMoLogger version)."""
-    with open(version_dirs(log_dir / "tiny")[-1] / "metrics.csv") as handle:
-        return [int(row["step"]) for row in csv.DictReader(handle) if row["reduced_train_loss"]]
 
 
 def test_recipe_trains_checkpoints_and_resumes(slurm_cluster: SlurmCluster, nemorun_home: Path, tmp_path: Path) -> None:
@@ -85,67 +78,6 @@ def test_recipe_trains_checkpoints_and_resumes(slurm_cluster: SlurmCluster, nemo
     assert f"Restoring states from the checkpoint path at {checkpoint_of(log_dir, 10)}" in log
     assert logged_steps(log_dir) == list(range(10, 15)), "the resumed job starts at the saved step"
     assert [record["step"] for record in manifest(log_dir)["checkpoints"]] == [5, 10, 15]
-
-
-def test_command_line_submits_to_slurm_and_waits(
-    slurm_cluster: SlurmCluster, nemorun_home: Path, tmp_path: Path
-) -> None:
-    log_dir = tmp_path / "runs"
-    output = nemo(
-        "nemo_ckpt",
-        "pretrain",
-        "--factory",
-        "tiny",
-        "trainer.max_steps=6",
-        "log.ckpt.every_n_train_steps=3",
-        f"log.log_dir={log_dir}",
-        "run.executor=slurm",
-        "run.executor.ntasks_per_node=2",
-        "run.executor.time=00:10:00",
-        f"run.executor.env_vars={{'PATH': '{JOB_PATH}'}}",
-        "--yes",
-    )
-
-    [job_dir] = (nemorun_home / "experiments").glob("pretrain/pretrain_*/pretrain")
-    [log_file] = job_dir.glob("log-nemo_ckpt.pretrain_*.out")
-    assert "SUCCEEDED" in output, output
-    assert "`Trainer.fit` stopped: `max_steps=6` reached." in log_file.read_text()
-    assert [record["step"] for record in manifest(log_dir)["checkpoints"]][-1] == 6
-    assert (checkpoint_of(log_dir, 6) / "weights" / "metadata.json").is_file()
-
-
-def test_preemption_signal_checkpoints_requeues_and_resumes(
-    slurm_cluster: SlurmCluster, nemorun_home: Path, tmp_path: Path
-) -> None:
-    log_dir = tmp_path / "runs"
-    max_steps = 50
-    exp_id, job_id, job_dir = submit(tiny(log_dir, max_steps=max_steps, every_n_train_steps=10), signal="USR1@60")
-    deadline = time.monotonic() + 120
-    while not (log_dir / "tiny" / "checkpoints" / "checkpoints.json").exists() or not manifest(log_dir)["checkpoints"]:
-        assert time.monotonic() < deadline, f"no checkpoint yet: {slurm_cluster.job(job_id)}"
-        time.sleep(0.2)
-
-    subprocess.run(["scancel", "--signal=USR1", job_id], check=True)  # what Slurm sends before the time limit
-    info = slurm_cluster.wait(job_id, timeout=240)
-
-    log = job_log(job_dir, job_id)
-    assert info["JobState"] == "COMPLETED", log
-    assert info["Restarts"] == "1"
-    first, second = attempts(log, job_id)
-    [saved] = [line for line in first.splitlines() if "Received SIGUSR1: saved" in line]
-    step = int(saved.rsplit(" at step ", 1)[1].split(";")[0])
-    assert 10 <= step < max_steps - 10, "the signal arrived mid-training"
-    assert f"Requeueing Slurm job {job_id} to resume from step {step}" in first
-    assert f"Restoring states from the checkpoint path at {checkpoint_of(log_dir, step)}" in second
-    assert "Received SIGUSR1" not in second
-    assert logged_steps(log_dir) == list(range(step, max_steps)), "the requeued job resumes at the saved step"
-    steps = [record["step"] for record in manifest(log_dir)["checkpoints"]]
-    assert step in steps and steps[-1] == max_steps
-    assert f"`Trainer.fit` stopped: `max_steps={max_steps}` reached." in second
-    shown = nemo("experiment", "logs", exp_id, "0")  # NeMo-Run's own view of the job: both attempts
-    assert re.findall(rf"Slurm job {job_id}: attempt (\d+)", shown) == ["1", "2"]
-    assert f"Requeueing Slurm job {job_id} to resume from step {step}" in shown
-    assert f"`Trainer.fit` stopped: `max_steps={max_steps}` reached." in shown
 
 
 @pytest.mark.parametrize("account", ["nemo_ckpt", "other"])

@@ -22,7 +22,7 @@ from launch.slurm import check_job, check_partition_nodes, slurm_executor
 from nemo_ckpt import dist_checkpointing
 from recipes import pretrain_recipe
 from tests.slurm.cluster import SlurmCluster, cluster_sh
-from tests.slurm.jobs import attempts, job_log, joined, nemo
+from tests.slurm.jobs import attempts, job_log, joined, logged_steps, nemo
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_ENV = {"PATH": f"{Path(sys.executable).parent}:$PATH", "PYTHONPATH": str(REPO)}  # this venv, this checkout
@@ -260,7 +260,10 @@ def test_preemption_signal_reaches_both_nodes_checkpoints_requeues_and_resumes(
     writers = {int(name.split("_")[2]) for name in shards}
     assert writers & {0, 1} and writers & {2, 3}, f"both nodes' ranks (0, 1 on node0; 2, 3 on node1) write: {shards}"
     assert f"Restoring states from the checkpoint path at {checkpoint_of(log_dir, step)}" in second
+    assert "Received SIGUSR1" not in second
     assert f"`Trainer.fit` stopped: `max_steps={max_steps}` reached." in second
+    assert logged_steps(log_dir) == list(range(step, max_steps)), "the requeued job resumes at the saved step"
+    assert [record["step"] for record in manifest(log_dir)][-1] == max_steps
     for number, attempt in enumerate((first, second), 1):
         assert f"attempt {number} on node0" in attempt and f"attempt {number} on node1" in attempt, "both nodes"
     shown = nemo("experiment", "logs", "tiny", "0")  # NeMo-Run's own view of the job: both attempts, both nodes
