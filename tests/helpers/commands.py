@@ -49,10 +49,16 @@ def _child(main: Callable[[], object], argv: list[str], cwd: str, env: dict[str,
 
 
 def run_preloaded(
-    main: Callable[[], object], argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float = TIMEOUT_S
+    main: Callable[[], object],
+    argv: list[str],
+    cwd: Path | str,
+    env: dict[str, str] | None = None,
+    timeout: float = TIMEOUT_S,
 ) -> subprocess.CompletedProcess:
-    """Run `main()` (a module-level function) as the program of a process with `argv`, `cwd` and `env`; its exit
-    code is 0, a `SystemExit`'s code, or 1 for an exception (whose traceback it printed)."""
+    """Run `main()` (a module-level function) as the program of a process with `argv`, `cwd` and `env` (default:
+    this process's environment); its exit code is 0, a `SystemExit`'s code, or 1 for an exception (whose traceback it
+    printed)."""
+    env = dict(os.environ) if env is None else env
     with tempfile.TemporaryDirectory() as directory:
         output = os.path.join(directory, "output.txt")
         process = forkserver().Process(target=_child, args=(main, argv, str(cwd), env, output))
@@ -81,7 +87,7 @@ def nemo(
 ) -> subprocess.CompletedProcess:
     """`nemo ARGS` (NeMo-Run's command line with this package's entry points) in `cwd`, with `env` (default: this
     process's environment)."""
-    return run_preloaded(_nemo_main, ["nemo", *args], cwd, dict(os.environ) if env is None else env, timeout)
+    return run_preloaded(_nemo_main, ["nemo", *args], cwd, env, timeout)
 
 
 def python_script(
@@ -89,5 +95,4 @@ def python_script(
 ) -> subprocess.CompletedProcess:
     """`python SCRIPT` in `cwd`, with `env` (default: this process's environment); the script's directory first on
     `sys.path`, as Python puts it."""
-    env = dict(os.environ) if env is None else env
     return run_preloaded(_script_main, [script], cwd, env, timeout)
