@@ -338,9 +338,11 @@ stop() {
     done
     stop_pidfile "$dir/slurmctld.pid" &
     wait
-    stop_pidfile "$dir/slurmdbd.pid"
-    stop_pidfile "$dir/mysql/mariadbd.pid"
-    stop_pidfile "$dir/munge/munged.pid"
+    # Each takes about 2 s to exit; the cluster's state is discarded, so nothing orders them any more.
+    stop_pidfile "$dir/slurmdbd.pid" &
+    stop_pidfile "$dir/mysql/mariadbd.pid" &
+    stop_pidfile "$dir/munge/munged.pid" &
+    wait
     bash "$NETNS_SH" down "$dir"
     echo "stopped Slurm in $dir"
 }

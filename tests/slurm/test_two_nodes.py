@@ -209,7 +209,7 @@ def test_hung_rank_fails_the_job_within_the_timeout_and_the_retry_resumes(
     `retries=2`: on a loaded machine node1's slurmd can be so late cleaning up the first attempt that its terminate
     order for the job (same job id) kills the first retry on node1; the next retry then runs (seen with Slurm 22.05).
     """
-    timeout_s, max_steps = 30, 40
+    timeout_s, max_steps = 20, 40
     log_dir = tmp_path / "runs"
     recipe = tiny(log_dir, nodes=2, max_steps=max_steps, every=10)
     recipe.trainer.strategy.timeout = run.Config(timedelta, seconds=timeout_s)
