@@ -199,12 +199,15 @@ class MegatronStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(minutes=30),
     ) -> None:
-        ddp_kwargs = {
+        ddp_options = {
             "find_unused_parameters": find_unused_parameters,
             "gradient_as_bucket_view": gradient_as_bucket_view,
             "static_graph": static_graph,
             "broadcast_buffers": broadcast_buffers,
         }
+        # Only the changed ones reach torch DDP: torch 2.13 warns whenever `broadcast_buffers` is passed (deprecated
+        # for `forward_sync_buffers`, whose False, unlike `broadcast_buffers=False`, still syncs buffers at init).
+        ddp_kwargs = {name: value for name, value in ddp_options.items() if value != DDP_DEFAULTS[name]}
         checkpoint_io = DistCheckpointIO(
             DistCheckpointOptions(
                 save_ckpt_format=save_ckpt_format,
@@ -232,10 +235,10 @@ class MegatronStrategy(DDPStrategy):
             **ddp_kwargs,
         )
         self.ddp_config = ddp_config_from(ddp)
-        changed = [name for name, default in DDP_DEFAULTS.items() if ddp_kwargs[name] != default]
-        if changed and (self.ddp_config.shards_parameters or tensor_model_parallel_size > 1):
+        if ddp_kwargs and (self.ddp_config.shards_parameters or tensor_model_parallel_size > 1):
+            name, value = next(iter(ddp_kwargs.items()))
             raise ValueError(
-                f"MegatronStrategy({changed[0]}={ddp_kwargs[changed[0]]!r}) is an option of torch DDP, which is not "
+                f"MegatronStrategy({name}={value!r}) is an option of torch DDP, which is not "
                 "used with FSDP2 (ddp.data_parallel_sharding_strategy='optim_grads[_params]') or tensor parallelism; "
                 "remove it"
             )
