@@ -13,28 +13,29 @@ from nemo_ckpt.strategy import MegatronStrategy
 from tests.helpers.distributed import run_distributed
 
 
-def buffers_after_forward(rank: int, world_size: int, broadcast_buffers: bool) -> dict[str, object]:
-    module = nn.BatchNorm1d(2)
-    module.running_mean.fill_(rank)  # rank-local until DDP syncs it
-    ddp_kwargs = MegatronStrategy(broadcast_buffers=broadcast_buffers)._ddp_kwargs
+def buffers_after_forward(rank: int, world_size: int) -> dict[bool, dict[str, list]]:
+    """Per `broadcast_buffers`: this rank's BatchNorm running mean after a forward, and the FutureWarnings seen."""
     mesh = init_device_mesh("cpu", (world_size,))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ddp = apply_ddp(module, mesh, DistributedDataParallelConfig(), None, torch.float32, None, **ddp_kwargs)
-    ddp.eval()
-    ddp(torch.zeros(3, 2))
-    return {
-        "running_mean": module.running_mean.tolist(),
-        "future_warnings": [str(w.message) for w in caught if issubclass(w.category, FutureWarning)],
-    }
+    results = {}
+    for broadcast_buffers in (True, False):
+        module = nn.BatchNorm1d(2)
+        module.running_mean.fill_(rank)  # rank-local until DDP syncs it
+        ddp_kwargs = MegatronStrategy(broadcast_buffers=broadcast_buffers)._ddp_kwargs
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp = apply_ddp(module, mesh, DistributedDataParallelConfig(), None, torch.float32, None, **ddp_kwargs)
+        ddp.eval()
+        ddp(torch.zeros(3, 2))
+        results[broadcast_buffers] = {
+            "running_mean": module.running_mean.tolist(),
+            "future_warnings": [str(w.message) for w in caught if issubclass(w.category, FutureWarning)],
+        }
+    return results
 
 
-def test_buffers_are_synced_from_rank_0_by_default_without_a_deprecation_warning():
-    results = run_distributed(buffers_after_forward, 2, True)
-    assert [result["running_mean"] for result in results] == [[0.0, 0.0], [0.0, 0.0]]
-    assert [result["future_warnings"] for result in results] == [[], []]
-
-
-def test_broadcast_buffers_false_keeps_each_rank_s_buffers():
-    results = run_distributed(buffers_after_forward, 2, False)
-    assert [result["running_mean"] for result in results] == [[0.0, 0.0], [1.0, 1.0]]
+def test_buffers_follow_broadcast_buffers_and_the_default_warns_nothing():
+    results = run_distributed(buffers_after_forward, 2)
+    synced, local = [result[True] for result in results], [result[False] for result in results]
+    assert [rank["running_mean"] for rank in synced] == [[0.0, 0.0], [0.0, 0.0]]  # rank 0's, at wrap and forward
+    assert [rank["future_warnings"] for rank in synced] == [[], []]
+    assert [rank["running_mean"] for rank in local] == [[0.0, 0.0], [1.0, 1.0]]
