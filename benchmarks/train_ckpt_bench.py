@@ -68,6 +68,7 @@ CONFIGS = {
     "no checkpoint": None,
     "sync": {},
     "async": {"ckpt_async_save": True},
+    "async, 1 writer thread": {"ckpt_async_save": True, "ckpt_torch_dist_multiproc": 1},
     "async, writer process": {"ckpt_async_save": True, "ckpt_async_writer_process": True},
     "async, no parallel save": {
         "ckpt_async_save": True,
