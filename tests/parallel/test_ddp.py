@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from nemo_ckpt._compat import lightning_ddp_kwargs
 from nemo_ckpt.parallel.ddp import apply_ddp
 from nemo_ckpt.parallel.ddp_config import DistributedDataParallelConfig
 from nemo_ckpt.strategy import MegatronStrategy
@@ -20,7 +21,7 @@ def buffers_after_forward(rank: int, world_size: int) -> dict[bool, dict[str, li
     for broadcast_buffers in (True, False):
         module = nn.BatchNorm1d(2)
         module.running_mean.fill_(rank)  # rank-local until DDP syncs it
-        ddp_kwargs = MegatronStrategy(broadcast_buffers=broadcast_buffers)._ddp_kwargs
+        ddp_kwargs = lightning_ddp_kwargs(MegatronStrategy(broadcast_buffers=broadcast_buffers))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ddp = apply_ddp(module, mesh, DistributedDataParallelConfig(), None, torch.float32, None, **ddp_kwargs)
