@@ -56,11 +56,22 @@ def stream_files(directory: Path, streams: int, prefix: str = "") -> list[Path]:
     return [directory / f"{prefix}x{streams}_{i}" for i in range(streams)]
 
 
-def _run_all(commands: list[list[str]]) -> None:
-    processes = [subprocess.Popen(command) for command in commands]
+def start(commands: list[list[str]], idle: bool = False) -> list[subprocess.Popen]:
+    """Start `commands` in parallel; with `idle`, at the lowest CPU priority (`SCHED_IDLE`)."""
+    preexec = (lambda: os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))) if idle else None
+    return [subprocess.Popen(command, preexec_fn=preexec) for command in commands]
+
+
+def wait(processes: list[subprocess.Popen]) -> None:
+    """Wait for `processes` (from `start`); raise if any failed."""
     codes = [process.wait() for process in processes]
     if any(codes):
-        raise RuntimeError(f"dd failed ({codes}): {commands[codes.index(next(c for c in codes if c))]}")
+        failed = processes[next(i for i, code in enumerate(codes) if code)]
+        raise RuntimeError(f"dd failed ({codes}): {failed.args}")
+
+
+def _run_all(commands: list[list[str]]) -> None:
+    wait(start(commands))
 
 
 def source_file(nbytes: int) -> Path:
@@ -76,9 +87,11 @@ def source_file(nbytes: int) -> Path:
     return Path(name)
 
 
-def write(directory: Path, source: Path, nbytes: int, streams: int, direct: bool = False, prefix: str = "") -> None:
-    """Write `nbytes` durably in `streams` parallel `dd` processes (O_DIRECT with `direct`), each its share of the
-    bytes, as copies of `source` one after another (one `dd` each, the last one syncing the file)."""
+def write_commands(
+    directory: Path, source: Path, nbytes: int, streams: int, direct: bool = False, prefix: str = ""
+) -> list[list[str]]:
+    """Commands writing `nbytes` durably in `streams` parallel `dd` processes (O_DIRECT with `direct`), each its
+    share of the bytes, as copies of `source` one after another (one `dd` each, the last one syncing the file)."""
     block = (DIRECT_BLOCK_MIB if direct else 1) * MIB
     count = max(1, nbytes // streams // block)
     per_copy = max(1, source.stat().st_size // block)
@@ -91,7 +104,12 @@ def write(directory: Path, source: Path, nbytes: int, streams: int, direct: bool
             for start in range(0, count, per_copy)
         ]
         chains.append(["sh", "-c", " && ".join(copies)])
-    _run_all(chains)
+    return chains
+
+
+def write(directory: Path, source: Path, nbytes: int, streams: int, direct: bool = False, prefix: str = "") -> None:
+    """Write `nbytes` durably as `write_commands` says, and wait."""
+    _run_all(write_commands(directory, source, nbytes, streams, direct, prefix))
 
 
 def read(files: list[Path], streams: int, direct: bool = False) -> None:

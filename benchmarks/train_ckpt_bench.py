@@ -7,8 +7,10 @@ Configurations, interleaved (rotated order per repetition), each in fresh proces
 async saves, both with the defaults (as NeMo's: `ckpt_parallel_save` and `ckpt_parallel_save_optim`, the
 replicated DDP state written once, each rank its half; written by a thread of the training process); async saves
 written by a writer process per rank (`ckpt_async_writer_process=True`); async saves without parallel save (rank
-0 writes all of the replicated state). All with `ckpt_assume_constant_structure` and 2 writer threads
-per rank, the data-parallel `no_shard` layout (DDP), AdamW, 1 torch thread per rank. Measured, on the slowest rank:
+0 writes all of the replicated state); and, for reference, no checkpoint but the bytes a parallel save writes,
+written by `dd` in the background at the same steps (O_DIRECT, at the lowest CPU priority). All with
+`ckpt_assume_constant_structure` and 2 writer threads per rank, the data-parallel `no_shard` layout (DDP), AdamW,
+1 torch thread per rank. Measured, on the slowest rank:
 - step time: every step's wall time (after warm-up) up to the next step's start, so with the checkpoint callback
   and the save it runs; median and the slowest step;
 - time lost per checkpoint: (training time - the no-checkpoint run's) / number of checkpoints, training time being
@@ -38,10 +40,12 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import disk_ceiling
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
@@ -64,6 +68,8 @@ SECTION = "## Checkpoints during training"
 MODEL = {"num_layers": 2, "hidden_size": 256, "ffn_hidden_size": 688, "vocab_size": 184320, "seq_length": 32}
 WARMUP_STEPS = 3
 AFFECTED_STEPS = 4  # steps counted as a checkpoint's: the saving one and the next 3 (an async write takes 1-2)
+WRITER_THREADS = 2  # ckpt_torch_dist_multiproc's default
+BACKGROUND_WRITE = "background dd write, no checkpoint"
 CONFIGS = {
     "no checkpoint": None,
     "sync": {},
@@ -75,6 +81,7 @@ CONFIGS = {
         "ckpt_parallel_save": False,
         "ckpt_parallel_save_optim": False,
     },
+    BACKGROUND_WRITE: None,
 }
 
 
@@ -123,6 +130,61 @@ class TimedModelCheckpoint(ModelCheckpoint):
         self.committed[record.step] = time.perf_counter()
 
 
+class BackgroundWrite(pl.Callback):
+    """A reference for an async checkpoint's cost: at the steps a checkpoint would be saved at, this rank's share
+    of the model + optimizer state's bytes (as a parallel save writes: the replicated state split over the ranks)
+    written by `dd` with O_DIRECT, in `WRITER_THREADS` streams to new files, in the background at the lowest CPU
+    priority (as our writer threads run), from pseudo-random bytes in memory (as the disk ceiling's writes). No
+    state dict, no staging copy, no metadata, no commit; but `dd` copies each block from its source into its
+    buffer before writing it, where a checkpoint writes its staging buffers as they are."""
+
+    def __init__(self, every: int, directory: Path) -> None:
+        self.every, self.directory = every, directory
+        self.started: dict[int, float] = {}
+        self.committed: dict[int, float] = {}
+        self.nbytes = 0
+        self.source: Path | None = None
+        self.waiter: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        weights = sum(p.numel() * p.element_size() for p in pl_module.parameters())
+        self.nbytes = 3 * weights // trainer.world_size  # fp32 weights and Adam's two moments
+        self.source = disk_ceiling.source_file(self.nbytes)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step % self.every:
+            return
+        self.wait()
+        for path in self.directory.iterdir():
+            path.unlink()
+        step, start = trainer.global_step, time.perf_counter()
+        commands = disk_ceiling.write_commands(self.directory, self.source, self.nbytes, WRITER_THREADS, direct=True)
+        processes = disk_ceiling.start(commands, idle=True)
+        self.waiter = threading.Thread(target=self._finish, args=(step, start, processes), daemon=True)
+        self.waiter.start()
+
+    def _finish(self, step: int, start: float, processes: list) -> None:
+        try:
+            disk_ceiling.wait(processes)
+        except BaseException as error:
+            self.error = error
+        self.started[step], self.committed[step] = start, time.perf_counter()
+
+    def wait(self) -> None:
+        """Wait for the write in flight; raise if it failed."""
+        if self.waiter is not None:
+            self.waiter.join()
+            self.waiter = None
+        if self.error is not None:
+            raise self.error
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.wait()
+        self.source.unlink()
+
+
 def state_tensors(model: pl.LightningModule, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     tensors = [param.detach() for param in model.parameters()]
     tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()]
@@ -167,11 +229,14 @@ def worker(
         )
         measure = Measure()
         callbacks: list[pl.Callback] = [measure]
-        checkpoint = None
+        checkpoint: TimedModelCheckpoint | BackgroundWrite | None = None
         if options is not None:
             checkpoint = TimedModelCheckpoint(
                 dirpath=str(Path(root) / "checkpoints"), every_n_train_steps=every, save_top_k=1, save_last=False
             )
+        elif name == BACKGROUND_WRITE:
+            checkpoint = BackgroundWrite(every, Path(root) / f"background_rank{rank}")
+        if checkpoint is not None:
             callbacks.append(checkpoint)
         steps = WARMUP_STEPS + every * checkpoints + every // 2
         trainer = measurement_trainer(ranks, strategy, steps, callbacks)
@@ -256,6 +321,7 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
         "| CPU stolen by the host per checkpoint s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    lost_by: dict[str, float] = {}
     for name, runs in measured.items():
         median_step = statistics.median(statistics.median(r["steps"]) for r in runs)
         slowest = statistics.median(max(r["steps"]) for r in runs)
@@ -269,6 +335,7 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
             cells += [f"{later:.2f}", "", "", "0 (baseline)", ""]
         else:
             lost = statistics.median((r["train"] - b["train"]) / checkpoints for r, b in zip(runs, base, strict=True))
+            lost_by[name] = lost
             commit = statistics.median(c for r in runs for c in r["commits"])
             pairs = [(r.get("stolen"), b.get("stolen")) for r, b in zip(runs, base, strict=True)]
             stolen = [(s - sb) / checkpoints for s, sb in pairs if s is not None and sb is not None]
@@ -306,12 +373,28 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
         "time to commit: from the save's start to the manifest's update; CPU stolen by the host: the machine's `steal` "
         "time (/proc/stat, all CPUs) over the measured steps, less that of the paired no-checkpoint run, per "
         "checkpoint. "
-        f"Medians over {reps} repetitions, configurations interleaved. {note}\n\n" + "\n".join(lines) + "\n"
+        f"Medians over {reps} repetitions, configurations interleaved.{reference_sentence(lost_by)} {note}\n\n"
+        + "\n".join(lines)
+        + "\n"
+    )
+
+
+def reference_sentence(lost_by: dict[str, float]) -> str:
+    """The async rows' loss against that of the same bytes written by `dd` in the background."""
+    reference = lost_by.get(BACKGROUND_WRITE)
+    rows = [name for name in lost_by if name.startswith("async")]
+    if reference is None or not rows:
+        return ""
+    ratios = ", ".join(f"{name} {lost_by[name] / reference:.2f}x" for name in rows)
+    return (
+        f" The same bytes written by `dd` in the background at the same steps ({BACKGROUND_WRITE!r}: no state "
+        "dict, no staging copy, no commit, but each block copied from memory by `dd` before it is written) lose "
+        f"{reference:.2f} s per write; lost per checkpoint against it: {ratios}."
     )
 
 
 def main() -> None:
-    check_dependencies([])
+    check_dependencies([], programs=["dd"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", type=int, default=10, help="steps between checkpoints (N)")
     parser.add_argument("--checkpoints", type=int, default=3, help="checkpoints per run")

@@ -1,8 +1,10 @@
 """The disk ceiling's writes: the requested bytes, durably, as copies of an in-memory source of pseudo-random
-bytes (never zeros, which a virtual disk may skip), in parallel `dd` streams that cover more than the source."""
+bytes (never zeros, which a virtual disk may skip), in parallel `dd` streams that cover more than the source;
+started in the background at the lowest CPU priority where asked, and a failed stream an error naming it."""
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,3 +49,11 @@ def test_streams_write_copies_of_the_source(tmp_path, disk_ceiling, direct):
     files = disk_ceiling.stream_files(tmp_path, 2, "r0_direct_" if direct else "r0_")
     assert sorted(tmp_path.iterdir()) == files
     assert all(path.read_bytes() == data * 2 for path in files)
+
+
+def test_background_writers_run_at_idle_priority_and_failures_raise(tmp_path, disk_ceiling):
+    probe = "import os, sys; open(sys.argv[1], 'w').write(str(os.sched_getscheduler(0)))"
+    disk_ceiling.wait(disk_ceiling.start([[sys.executable, "-c", probe, str(tmp_path / "policy")]], idle=True))
+    assert int((tmp_path / "policy").read_text()) == os.SCHED_IDLE
+    with pytest.raises(RuntimeError, match="dd failed .*missing_source"):
+        disk_ceiling.wait(disk_ceiling.start([["dd", f"if={tmp_path / 'missing_source'}", "of=/dev/null"]]))

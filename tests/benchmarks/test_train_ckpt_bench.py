@@ -1,5 +1,6 @@
 """train_ckpt_bench's options are checked before any run: a checkpoint interval too short to measure, or no
-checkpoints, repetitions or ranks, is an error that names the option (not a failure after minutes of training)."""
+checkpoints, repetitions or ranks, is an error that names the option (not a failure after minutes of training);
+the report quotes the async rows' loss against that of the same bytes written by `dd` in the background."""
 
 import sys
 from pathlib import Path
@@ -36,3 +37,18 @@ def test_bad_options_fail_before_any_run(train_ckpt_bench, monkeypatch, capsys, 
         train_ckpt_bench.main()
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_report_quotes_async_against_the_background_dd_write(train_ckpt_bench):
+    def run(train: float) -> dict:
+        return {"train": train, "steps": [1.0] * 12, "peak": 0, "state_bytes": 1 << 30, "copy": 0.25,
+                "commits": [1.0, 1.0], "checkpoints": 2, "stolen": None}  # fmt: skip
+
+    measured = {
+        "no checkpoint": [run(100.0)],
+        "async": [run(101.0)],
+        train_ckpt_bench.BACKGROUND_WRITE: [run(102.0)],
+    }
+    text = train_ckpt_bench.report(measured, ranks=2, every=5, checkpoints=2, reps=1, note="")
+    assert "lose 1.00 s per write; lost per checkpoint against it: async 0.50x." in text
+    assert "| async | 1.000 | 1.000 | 0.50 | 2.00 |" in text
