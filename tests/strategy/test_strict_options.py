@@ -5,6 +5,7 @@ import fiddle as fdl
 import nemo_run as run
 import pytest
 
+from nemo_ckpt._compat import lightning_ddp_kwargs
 from nemo_ckpt.options import UnknownOptionError, UnsupportedOptionError
 from nemo_ckpt.parallel import DistributedDataParallelConfig
 from nemo_ckpt.strategy import MegatronStrategy
@@ -37,7 +38,7 @@ def test_nemo_options_not_implemented_say_what_they_mean(options, message):
 
 def test_nemo_defaults_and_ddp_options_are_accepted_where_they_apply():
     strategy = MegatronStrategy(pipeline_model_parallel_size=1, context_parallel_size=1, find_unused_parameters=True)
-    assert strategy._ddp_kwargs["find_unused_parameters"] is True
+    assert lightning_ddp_kwargs(strategy)["find_unused_parameters"] is True
     assert strategy._timeout.total_seconds() == 1800
     fsdp = DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads_params")
     with pytest.raises(ValueError, match=r"find_unused_parameters=True\) is an option of torch DDP"):
