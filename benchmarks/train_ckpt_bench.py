@@ -159,18 +159,18 @@ class BackgroundWrite(pl.Callback):
         self.wait()
         for path in self.directory.iterdir():
             path.unlink()
-        step, start = trainer.global_step, time.perf_counter()
+        self.started[trainer.global_step] = time.perf_counter()
         commands = disk_ceiling.write_commands(self.directory, self.source, self.nbytes, WRITER_THREADS, direct=True)
         processes = disk_ceiling.start(commands, idle=True)
-        self.waiter = threading.Thread(target=self._finish, args=(step, start, processes), daemon=True)
+        self.waiter = threading.Thread(target=self._finish, args=(trainer.global_step, processes), daemon=True)
         self.waiter.start()
 
-    def _finish(self, step: int, start: float, processes: list) -> None:
+    def _finish(self, step: int, processes: list) -> None:
         try:
             disk_ceiling.wait(processes)
         except BaseException as error:
             self.error = error
-        self.started[step], self.committed[step] = start, time.perf_counter()
+        self.committed[step] = time.perf_counter()
 
     def wait(self) -> None:
         """Wait for the write in flight; raise if it failed."""
