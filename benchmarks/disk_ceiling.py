@@ -70,10 +70,6 @@ def wait(processes: list[subprocess.Popen]) -> None:
         raise RuntimeError(f"dd failed ({codes}): {failed.args}")
 
 
-def _run_all(commands: list[list[str]]) -> None:
-    wait(start(commands))
-
-
 def source_file(nbytes: int) -> Path:
     """A new file of min(`nbytes`, `SOURCE_BYTES`) pseudo-random bytes (a random 64 MiB block repeated) in memory:
     on tmpfs (`/dev/shm`) where there is one. The caller removes it."""
@@ -109,18 +105,20 @@ def write_commands(
 
 def write(directory: Path, source: Path, nbytes: int, streams: int, direct: bool = False, prefix: str = "") -> None:
     """Write `nbytes` durably as `write_commands` says, and wait."""
-    _run_all(write_commands(directory, source, nbytes, streams, direct, prefix))
+    wait(start(write_commands(directory, source, nbytes, streams, direct, prefix)))
 
 
 def read(files: list[Path], streams: int, direct: bool = False) -> None:
     """Read `files` into /dev/null in `streams` parallel `dd` chains (O_DIRECT with `direct`)."""
     flags = f"iflag=direct bs={DIRECT_BLOCK_MIB}M" if direct else "bs=4M"
     chains = [files[i::streams] for i in range(min(streams, len(files)))]
-    _run_all(
-        [
-            ["sh", "-c", " && ".join(f"dd if='{path}' of=/dev/null {flags} status=none" for path in chain)]
-            for chain in chains
-        ]
+    wait(
+        start(
+            [
+                ["sh", "-c", " && ".join(f"dd if='{path}' of=/dev/null {flags} status=none" for path in chain)]
+                for chain in chains
+            ]
+        )
     )
 
 
