@@ -145,6 +145,11 @@ def load_module_state(module: nn.Module, loaded: dict[str, Any], strict: bool = 
         )
 
 
+# kept from the live optimizer on load: its parameters and how torch computes its step (e.g. a checkpoint saved by
+# the unfused AdamW resumes fused); the other group entries (learning rate, betas, ...) come from the checkpoint
+LIVE_GROUP_KEYS = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
+
+
 def load_named_optimizer_state(optimizer: Optimizer, names: dict[nn.Parameter, str], loaded: dict[str, Any]) -> None:
     """Restore `optimizer` (its state already initialized) from a loaded `named_optimizer_state`."""
     if len(loaded["param_groups"]) != len(optimizer.param_groups):
@@ -153,7 +158,7 @@ def load_named_optimizer_state(optimizer: Optimizer, names: dict[nn.Parameter, s
             f"{len(optimizer.param_groups)}; configure the optimizer as when the checkpoint was saved"
         )
     for group, loaded_group in zip(optimizer.param_groups, loaded["param_groups"]):
-        group.update({key: value for key, value in loaded_group.items() if key != "params"})
+        group.update({key: value for key, value in loaded_group.items() if key not in LIVE_GROUP_KEYS})
     for param, state in optimizer.state.items():
         for key, value in loaded["state"].get(names[param], {}).items():
             if isinstance(state.get(key), torch.Tensor) and isinstance(value, torch.Tensor):

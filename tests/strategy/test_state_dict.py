@@ -1,4 +1,5 @@
-"""FSDP2 DTensors as `ShardedTensor`s: uneven and empty shards save and load across world sizes."""
+"""`strategy.state_dict`: FSDP2 DTensors as `ShardedTensor`s (uneven and empty shards save and load across world
+sizes); the optimizer's state and settings restored."""
 
 from pathlib import Path
 
@@ -63,3 +64,21 @@ def test_uneven_and_empty_shards_round_trip_on_4_ranks(tmp_path):
     assert [result["rank_holds_rows"] for result in results] == [True, True, True, False]
     for result in results:
         assert result["weights"] and result["exp_avg"] and result["step"] and result["plain"]
+
+
+def test_optimizer_load_restores_hyperparameters_and_keeps_the_live_implementation():
+    param = nn.Parameter(torch.ones(4))
+    saved = torch.optim.AdamW([param], lr=0.5, betas=(0.7, 0.8), foreach=False)
+    param.grad = torch.ones(4)
+    saved.step()
+    live_param = nn.Parameter(torch.zeros(4))
+    live = torch.optim.AdamW([live_param], lr=0.1, fused=True)
+    init_optimizer_state(live)
+
+    load_named_optimizer_state(live, {live_param: "w"}, named_optimizer_state(saved, {param: "w"}))
+
+    group = live.param_groups[0]
+    assert (group["lr"], group["betas"]) == (0.5, (0.7, 0.8))
+    assert (group["fused"], group["foreach"]) == (True, None)
+    assert torch.equal(live.state[live_param]["exp_avg"], saved.state[param]["exp_avg"])
+    assert float(live.state[live_param]["step"]) == 1.0
