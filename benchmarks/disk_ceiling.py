@@ -112,14 +112,11 @@ def read(files: list[Path], streams: int, direct: bool = False) -> None:
     """Read `files` into /dev/null in `streams` parallel `dd` chains (O_DIRECT with `direct`)."""
     flags = f"iflag=direct bs={DIRECT_BLOCK_MIB}M" if direct else "bs=4M"
     chains = [files[i::streams] for i in range(min(streams, len(files)))]
-    wait(
-        start(
-            [
-                ["sh", "-c", " && ".join(f"dd if='{path}' of=/dev/null {flags} status=none" for path in chain)]
-                for chain in chains
-            ]
-        )
-    )
+    commands = [
+        ["sh", "-c", " && ".join(f"dd if='{path}' of=/dev/null {flags} status=none" for path in chain)]
+        for chain in chains
+    ]
+    wait(start(commands))
 
 
 def drop_caches() -> None:
