@@ -21,16 +21,21 @@ def job_log(job_dir: Path, job_id: str, task: str = "pretrain") -> str:
     return (job_dir / f"log-nemo_ckpt.{task}_{job_id}.out").read_text()
 
 
-def joined(log: str) -> str:
-    """A multi-node job's log (srun `--label`: each chunk srun reads starts `<node>: `) with the labels and the newline
-    before each dropped: a line that srun cut in two (torchrun's output may reach it mid-line) is whole again. Lines
+def node_logs(log: str) -> dict[int, str]:
+    """A multi-node job's log (srun `--label`) split by node: `{node: what that node printed}`, the labels and the
+    newline before each dropped. srun labels each chunk it reads from a node, and a chunk can end mid-line with the
+    other node's output in between: only one node's text is whole (a line srun cut in two is whole again there). Lines
     run together: search it with `in` or a regex, not line by line."""
-    return re.sub(r"(?:^|\n)\d+: ", "", log)
+    pieces = re.split(r"(?:^|\n)(\d+): ", log)
+    chunks: dict[int, list[str]] = {}
+    for node, text in zip(pieces[1::2], pieces[2::2]):
+        chunks.setdefault(int(node), []).append(text)
+    return {node: "".join(texts) for node, texts in chunks.items()}
 
 
 def attempts(log: str, job_id: str) -> list[str]:
-    """`log` cut at each attempt's first `Slurm job <id>: attempt <n> on` (n = 1, 2, ...); what comes before the first
-    one (torchrun's start) belongs to attempt 1."""
+    """One node's `log` (`node_logs`) cut at each attempt's first `Slurm job <id>: attempt <n> on` (n = 1, 2, ...);
+    what comes before the first one (torchrun's start) belongs to attempt 1."""
     starts: dict[int, int] = {}
     for match in re.finditer(rf"Slurm job {job_id}: attempt (\d+) on ", log):
         starts.setdefault(int(match[1]), match.start())
