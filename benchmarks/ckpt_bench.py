@@ -1,6 +1,6 @@
 """Checkpoint save/load speed against the disk's ceiling and the peers at their best settings.
 
-    python benchmarks/ckpt_bench.py [--sizes-gib 1 4] [--ranks 2 1] [--reps 3 2] [--dir /tmp/ckpt_bench]
+    python benchmarks/ckpt_bench.py [--sizes-gib 1 4] [--ranks 2 1] [--reps 3 2] [--dir /tmp/ckpt_bench] [--device cuda]
 
 Every rank holds `--sizes-gib` of 64 MiB float32 tensors of random values, its rows of global tensors split along
 dim 0 (as FSDP or tensor parallelism shards them). Per repetition every contestant runs once, in an order shuffled
@@ -25,7 +25,10 @@ Contestants (all with torch.save's zip CRC-32s off, as ours writes them; the `zi
   (staging into the buffers kept from the previous save); loads with the parallel load wrapper into the live
   tensors, as a resume does.
 - `memcpy`: copying the state into preallocated memory and into new memory, the yardsticks of async staging.
-The 1-rank run also loads the 2-rank checkpoints (a reshard). Async contestants, memcpy and torch.load run
+With `--device cuda` the state lives on the GPUs (rank r on GPU r; NCCL next to gloo): saves stage it into pinned
+host memory, loads go into the GPU tensors, and memcpy copies it into pinned host memory. An async save's blocked
+time then runs until the current stream may go on (its device-to-host copies done), the time training's kernels
+wait. The 1-rank run also loads the 2-rank checkpoints (a reshard). Async contestants, memcpy and torch.load run
 where the machine has memory for the copies they keep. Writes `## Checkpoint speed` in benchmarks/RESULTS.md and
 benchmarks/ckpt_speed.png. Needs about 6x the largest size x the sum of --ranks of free disk under --dir (checked
 at the start); removes its files when it ends, also on failure.
@@ -104,13 +107,25 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
-def local_state(size: int, rank: int, shards: int = 1) -> dict[str, torch.Tensor]:
+def local_state(size: int, rank: int, shards: int = 1, device: str = "cpu") -> dict[str, torch.Tensor]:
     """This rank's rows of `size // 64 MiB` global float32 tensors: 64 MiB each (`shards` times that where a
     rank loads what `shards` ranks saved), of normally distributed values as trained weights are (a virtual disk
     may move blocks of zeros or of one repeated value faster than the bytes a checkpoint holds)."""
     rows = TENSOR_BYTES // 4 // ROW * shards
     generator = torch.Generator().manual_seed(rank)
-    return {f"t{i}": torch.randn((rows, ROW), generator=generator) for i in range(size // TENSOR_BYTES)}
+    return {f"t{i}": torch.randn((rows, ROW), generator=generator).to(device) for i in range(size // TENSOR_BYTES)}
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def settled() -> float:
+    """`time.perf_counter()` once the current stream has done the work queued on it so far (on a GPU: an async
+    save's device-to-host copies, which the stream waits for before training's next kernel)."""
+    if on_gpu():
+        torch.cuda.current_stream().synchronize()
+    return time.perf_counter()
 
 
 def config_dir(size: int, world: int) -> str:
@@ -129,7 +144,7 @@ def timed(fn: Callable[[], object]) -> float:
     dist.barrier()
     start = time.perf_counter()
     fn()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    elapsed = torch.tensor([settled() - start], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return elapsed.item()
 
@@ -158,12 +173,14 @@ class Contestants:
         world: int,
         with_async: bool,
         shards: int = 1,
+        device: str = "cpu",
     ) -> None:
         self.root, self.ceiling_source, self.rank, self.world, self.size = root, ceiling_source, rank, world, size
-        self.state = local_state(size, rank, shards)
+        self.device = device
+        self.state = local_state(size, rank, shards, device)
         self.rows = next(iter(self.state.values())).shape[0]
         self.mcore = megatron_dist_checkpointing()
-        self.mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
+        self.mesh = torch.distributed.device_mesh.init_device_mesh(device.split(":")[0], (world,))
         self.ours = {crc: self.ours_save_strategy(crc) for crc in (False, True)}
         self.ours_async = self.ours_save_strategy(False)
         self.queue = AsyncCallsQueue()
@@ -303,7 +320,7 @@ class Contestants:
             self.dtensors(), storage_writer=writer, async_stager=self.dcp_async_stager
         )
         response.staging_completion.result()
-        self.blocked["dcp async_save"] = time.perf_counter() - start
+        self.blocked["dcp async_save"] = settled() - start
         response.upload_completion.result()
 
     def save_mcore(self) -> None:
@@ -331,7 +348,7 @@ class Contestants:
             async_strategy="mcore",
         )
         self.mcore_queue.schedule_async_request(request)
-        self.blocked["megatron-core async"] = time.perf_counter() - start
+        self.blocked["megatron-core async"] = settled() - start
         self.mcore_queue.maybe_finalize_async_calls(blocking=True)
 
     def save_ours(self, crc: bool = False) -> None:
@@ -348,19 +365,21 @@ class Contestants:
             validate_access_integrity=self.validate_once("ours async"),
         )
         self.queue.schedule_async_request(request)
-        self.blocked["ours async"] = time.perf_counter() - start
+        self.blocked["ours async"] = settled() - start
         self.queue.maybe_finalize_async_calls(blocking=True)
 
     def memcpy_preallocated(self) -> None:
-        """Copy the state into memory kept from the previous repetition (what staging into kept buffers costs)."""
+        """Copy the state into host memory kept from the previous repetition (what staging into kept buffers
+        costs); from a GPU into pinned memory, without blocking the host."""
         for key, t in self.state.items():
             if key not in self.preallocated:
-                self.preallocated[key] = torch.empty_like(t)
-            self.preallocated[key].copy_(t)
+                self.preallocated[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            self.preallocated[key].copy_(t, non_blocking=t.is_cuda)
 
     def memcpy_new(self) -> None:
-        """Copy the state into new memory (what staging without kept buffers costs)."""
-        [t.clone() for t in self.state.values()]
+        """Copy the state into new host memory (what staging without kept buffers costs; pinned from a GPU)."""
+        for t in self.state.values():
+            torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t, non_blocking=t.is_cuda)
 
     # load side: into the live tensors, as a resume does
 
@@ -389,7 +408,8 @@ class Contestants:
         return loads
 
     def load_torch(self) -> None:
-        loaded = torch.load(self.path("torch.save") / f"rank{self.rank}.pt", weights_only=True, mmap=False)
+        path = self.path("torch.save") / f"rank{self.rank}.pt"
+        loaded = torch.load(path, weights_only=True, mmap=False, map_location=self.device)
         for key, t in self.state.items():
             t.copy_(loaded[key])
 
@@ -428,10 +448,14 @@ def run_rank(
     ceiling_source: str | None,
     with_async: bool,
     reshard_from: str | None,
+    device: str,
     results: dict,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device != "cpu" else "gloo", rank=rank, world_size=world)
     torch.utils.serialization.config.save.compute_crc32 = False  # equal for all; "zip CRCs" rows turn it on
     # a reshard loads what twice the ranks saved, each of half this rank's size
     save_world = world if reshard_from is None else 2 * world
@@ -443,6 +467,7 @@ def run_rank(
         world,
         with_async,
         save_world // world,
+        device,
     )
     saves = c.saves() if reshard_from is None else {}
     source = c.root if reshard_from is None else Path(reshard_from)
@@ -481,7 +506,13 @@ def run_rank(
 
 
 def run_config(
-    size: int, world: int, reps: int, root: Path, with_async: bool, reshard_from: Path | None = None
+    size: int,
+    world: int,
+    reps: int,
+    root: Path,
+    with_async: bool,
+    reshard_from: Path | None = None,
+    device: str = "cpu",
 ) -> dict:
     # the bytes the ceiling's `dd` writes copy (every rank the same), where this run saves
     ceiling_source = disk_ceiling.source_file(size) if reshard_from is None else None
@@ -499,6 +530,7 @@ def run_config(
                     None if ceiling_source is None else str(ceiling_source),
                     with_async,
                     None if reshard_from is None else str(reshard_from),
+                    device,
                     results,
                 ),
                 nprocs=world,
@@ -627,7 +659,13 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=REPO / "benchmarks" / "RESULTS.md")
     parser.add_argument("--note", default="", help="appended to the RESULTS.md section (machine, load)")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the state lives")
     args = parser.parse_args()
+    if args.device == "cuda" and max(args.ranks) > torch.cuda.device_count():
+        parser.error(
+            f"--device cuda --ranks {' '.join(map(str, args.ranks))}: one GPU per rank, and this machine has "
+            f"{torch.cuda.device_count()}; use --ranks up to that, or --device cpu"
+        )
     for option in ("ranks", "reps"):
         if min(getattr(args, option)) < 1:
             parser.error(f"--{option} {' '.join(map(str, getattr(args, option)))}: use 1 or more")
@@ -650,12 +688,14 @@ def main() -> None:
                 if not with_async:
                     print(f"{size_gib} GiB per rank on {world} rank(s): async, memcpy, torch.load left out (memory)")
                 print(f"{size_gib} GiB per rank on {world} rank(s)", flush=True)
-                all_results[(size_gib, world, "same")] = run_config(size, world, reps, args.dir, with_async)
+                all_results[(size_gib, world, "same")] = run_config(
+                    size, world, reps, args.dir, with_async, device=args.device
+                )
                 print(json.dumps(all_results[(size_gib, world, "same")]), flush=True)
                 if world == 1 and 2 in args.ranks:
                     print(f"{size_gib} GiB per saving rank, reshard 2 -> 1", flush=True)
                     all_results[(size_gib, 1, "reshard")] = run_config(
-                        size, 1, reps, args.dir, False, reshard_from=args.dir / config_dir(size, 2)
+                        size, 1, reps, args.dir, False, args.dir / config_dir(size, 2), args.device
                     )
                     print(json.dumps(all_results[(size_gib, 1, "reshard")]), flush=True)
             shutil.rmtree(args.dir, ignore_errors=True)

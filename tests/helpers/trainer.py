@@ -67,13 +67,14 @@ def fit_tiny_gpt(
     precision: str = "32-true",
     model_overrides: dict[str, Any] | None = None,
     micro_batch_size: int | None = None,
+    accelerator: str = "cpu",
 ) -> pl.Trainer:
     """Train the tiny GPT with `strategy` (global batch 4, one micro-batch per data-parallel rank unless
     `micro_batch_size` is given) towards `max_steps` on a plain Trainer, resuming from `ckpt_path`."""
     pl.seed_everything(1234, verbose=False)
     config = gpt_config("tiny", **(model_overrides or {}))
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=world_size,
         strategy=strategy,
         max_steps=max_steps,
@@ -114,6 +115,7 @@ def fit(
     model_overrides: dict[str, Any] | None = None,
     callbacks: list[pl.Callback] | None = None,
     micro_batch_size: int | None = None,
+    accelerator: str = "cpu",
     **strategy_kwargs: Any,
 ) -> list[float]:
     """Train towards `max_steps` (global batch 4, split over the ranks), resuming from `ckpt_path`, stopping
@@ -124,7 +126,9 @@ def fit(
     callbacks = [recorder, StopAndSave(stop_at, save_to), *(callbacks or [])]
     if save_at_start is not None:
         callbacks.append(SaveAtStart(save_at_start))
-    fit_tiny_gpt(world_size, strategy, max_steps, callbacks, ckpt_path, precision, model_overrides, micro_batch_size)
+    fit_tiny_gpt(
+        world_size, strategy, max_steps, callbacks, ckpt_path, precision, model_overrides, micro_batch_size, accelerator
+    )
     return recorder.losses
 
 

@@ -1,0 +1,83 @@
+"""The tiny GPT trained on a GPU: an async checkpoint, staged into pinned memory on a side stream while training
+goes on, holds the values of its save; resuming with `ckpt_load_directly_on_device` loads it onto the GPU
+bit-identically, and training continues as in the uninterrupted run. Skipped without a GPU (see `device_check.sh`)."""
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from nemo_ckpt import dist_checkpointing
+from tests.helpers.trainer import assert_same_checkpoint, fit
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+MAX_STEPS = 6
+SAVE_AT = 2
+STRATEGY = {"ckpt_async_save": True, "ckpt_assume_constant_structure": True}
+
+
+class SaveAndSnapshot(pl.Callback):
+    """At step `step`, save a checkpoint to `path` and keep a copy of the live state as it was at the call."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step = step
+        self.path = path
+        self.snapshot: dict[str, torch.Tensor] = {}
+        self.final: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+            self.snapshot = self._state(trainer, pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.final = self._state(trainer, pl_module)
+
+    @staticmethod
+    def _state(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, torch.Tensor]:
+        """Parameters and optimizer state on the CPU, under their checkpoint keys; the copies are queued on the
+        current stream, so they see what the kernels queued before them wrote."""
+        names = {param: name for name, param in pl_module.named_parameters()}
+        state = {name: param.detach().to("cpu", copy=True) for param, name in names.items()}
+        for param, param_state in trainer.optimizers[0].state.items():
+            for key, value in param_state.items():
+                if torch.is_tensor(value) and value.dim():
+                    state[f"optimizer.state.{key}.{names[param]}"] = value.to("cpu", copy=True)
+        return state
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[Path, SaveAndSnapshot, list[float]]:
+    directory = tmp_path_factory.mktemp("gpu")
+    saver = SaveAndSnapshot(SAVE_AT, directory / f"step{SAVE_AT}")
+    losses = fit(1, {}, MAX_STEPS, accelerator="gpu", callbacks=[saver], **STRATEGY)
+    return directory, saver, losses
+
+
+def test_async_checkpoint_from_the_gpu_holds_the_values_of_its_save(uninterrupted):
+    directory, saver, _ = uninterrupted
+    stored = dist_checkpointing.load_plain_tensors(directory / f"step{SAVE_AT}" / "weights")
+    assert any(key.startswith("optimizer.state.exp_avg_sq.") for key in saver.snapshot)
+    for key, value in saver.snapshot.items():
+        assert torch.equal(stored[key], value), key
+    changed = [key for key, value in saver.final.items() if not torch.equal(value, saver.snapshot[key])]
+    assert changed, "training went on after the save: the checkpoint was written while the live state changed"
+
+
+def test_resume_loads_onto_the_gpu_bit_identically_and_training_continues(uninterrupted, tmp_path):
+    directory, _, reference = uninterrupted
+    losses = fit(
+        1,
+        {},
+        MAX_STEPS,
+        accelerator="gpu",
+        ckpt_path=directory / f"step{SAVE_AT}",
+        save_at_start=tmp_path / "loaded",
+        ckpt_load_directly_on_device=True,
+        **STRATEGY,
+    )
+    assert_same_checkpoint(directory / f"step{SAVE_AT}", tmp_path / "loaded")
+    assert losses == pytest.approx(reference[SAVE_AT:], rel=1e-5)
