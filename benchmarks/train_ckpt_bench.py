@@ -191,8 +191,9 @@ def state_tensors(model: pl.LightningModule, optimizer: torch.optim.Optimizer) -
     return tensors
 
 
-def copy_time(tensors: list[torch.Tensor]) -> float:
-    """Seconds to copy `tensors` into memory kept from an earlier copy (median of 3, after one to allocate)."""
+def copy_time(tensors: list[torch.Tensor]) -> tuple[float, float]:
+    """Seconds to copy `tensors` into new memory (the first copy, which faults it in), and into memory kept from
+    an earlier copy (median of 3 more)."""
     buffers = [torch.empty_like(t) for t in tensors]
     times = []
     for _ in range(4):
@@ -200,7 +201,7 @@ def copy_time(tensors: list[torch.Tensor]) -> float:
         for buffer, tensor in zip(buffers, tensors):
             buffer.copy_(tensor)
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return times[0], statistics.median(times[1:])
 
 
 def worker(
@@ -245,13 +246,13 @@ def worker(
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
         tensors = state_tensors(model, trainer.optimizers[0])
         state_bytes = sum(t.numel() * t.element_size() for t in tensors)
-        copy = copy_time(tensors)
+        copy_new, copy = copy_time(tensors)
         commits = []
         if checkpoint is not None:
             # the saves inside the measured steps (the one at the end of training is not)
             commits = [checkpoint.committed[s] - checkpoint.started[s] for s in checkpoint.committed if s < steps]
         per_rank: list[Any] = [None] * ranks
-        dist.all_gather_object(per_rank, (measure.starts, measure.ends, peak, state_bytes, copy, commits))
+        dist.all_gather_object(per_rank, (measure.starts, measure.ends, peak, state_bytes, copy, commits, copy_new))
         if rank == 0:
             # a step: from its start to the next one's (the checkpoint callback runs in between), the last to its end
             step_times = [
@@ -264,6 +265,7 @@ def worker(
                 "peak": max(p[2] for p in per_rank),
                 "state_bytes": max(p[3] for p in per_rank),
                 "copy": max(p[4] for p in per_rank),
+                "copy_new": max(p[6] for p in per_rank),
                 "commits": [max(c) for c in zip(*(p[5] for p in per_rank))],
                 "checkpoints": checkpoints,
                 "stolen": None if None in measure.stolen else measure.stolen[1] - measure.stolen[0],
@@ -313,6 +315,13 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
     base_step = statistics.median(statistics.median(r["steps"]) for r in base)
     base_peak = statistics.median(r["peak"] for r in base)
     copy = statistics.median(r["copy"] for runs in measured.values() for r in runs)
+    copies_new = [r["copy_new"] for runs in measured.values() for r in runs if "copy_new" in r]
+    new_memory = (
+        f", into new memory {statistics.median(copies_new):.3f} s (what faulting memory in costs the machine at the "
+        "time; a run's first async save pays it for its staging buffers)"
+        if copies_new
+        else ""
+    )
     state_gib = base[0]["state_bytes"] / 2**30
     lines = [
         "| configuration | median step s | slowest step s | lost per checkpoint s | lost / copy to preallocated "
@@ -363,16 +372,15 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
         f"replicated), AdamW, micro-batch 1 x {MODEL['seq_length']} tokens per rank. A checkpoint every {every} "
         f"steps, {checkpoints} per run; `ckpt_assume_constant_structure`, 2 writer threads per rank, parallel save "
         "(the default, as NeMo's: each rank writes half of the replicated state) unless the row says otherwise. "
-        "Copying the "
-        f"state into preallocated memory takes {copy:.3f} s per rank; the no-checkpoint run's median step is "
-        f"{base_step:.3f} s (so N=50 steps are {50 * base_step:.1f} s). Lost per checkpoint: (training time - that "
-        "of the no-checkpoint run of the same repetition, the same round of the interleaving) / checkpoints; step "
-        "excess: per checkpoint, the saving step and the 3 after it minus 4 x the median of the other steps up to the "
-        "next save (within the run, so free of the runs' drift; the no-checkpoint row, at the same steps, is its "
-        "noise floor), for the first checkpoint (which allocates the async staging memory) and the later ones apart; "
-        "time to commit: from the save's start to the manifest's update; CPU stolen by the host: the machine's `steal` "
-        "time (/proc/stat, all CPUs) over the measured steps, less that of the paired no-checkpoint run, per "
-        "checkpoint. "
+        f"Copying the state into preallocated memory takes {copy:.3f} s per rank{new_memory}; the no-checkpoint "
+        f"run's median step is {base_step:.3f} s (so N=50 steps are {50 * base_step:.1f} s). Lost per checkpoint: "
+        "(training time - that of the no-checkpoint run of the same repetition, the same round of the interleaving) / "
+        "checkpoints; step excess: per checkpoint, the saving step and the 3 after it minus 4 x the median of the other"
+        " steps up to the next save (within the run, so free of the runs' drift; the no-checkpoint row, at the same "
+        "steps, is its noise floor), for the first checkpoint (which allocates the async staging memory) and the later "
+        "ones apart; time to commit: from the save's start to the manifest's update; CPU stolen by the host: the "
+        "machine's `steal` time (/proc/stat, all CPUs) over the measured steps, less that of the paired no-checkpoint "
+        "run, per checkpoint. "
         f"Medians over {reps} repetitions, configurations interleaved.{reference_sentence(lost_by)} {note}\n\n"
         + "\n".join(lines)
         + "\n"

@@ -1,6 +1,7 @@
 """train_ckpt_bench's options are checked before any run: a checkpoint interval too short to measure, or no
 checkpoints, repetitions or ranks, is an error that names the option (not a failure after minutes of training);
-the report quotes the async rows' loss against that of the same bytes written by `dd` in the background."""
+the report quotes the async rows' loss against that of the same bytes written by `dd` in the background, and the
+copy into new memory where it was measured."""
 
 import sys
 from pathlib import Path
@@ -39,11 +40,12 @@ def test_bad_options_fail_before_any_run(train_ckpt_bench, monkeypatch, capsys, 
     assert message in capsys.readouterr().err
 
 
-def test_report_quotes_async_against_the_background_dd_write(train_ckpt_bench):
-    def run(train: float) -> dict:
-        return {"train": train, "steps": [1.0] * 12, "peak": 0, "state_bytes": 1 << 30, "copy": 0.25,
-                "commits": [1.0, 1.0], "checkpoints": 2, "stolen": None}  # fmt: skip
+def run(train: float, **extra: float) -> dict:
+    return {"train": train, "steps": [1.0] * 12, "peak": 0, "state_bytes": 1 << 30, "copy": 0.25,
+            "commits": [1.0, 1.0], "checkpoints": 2, "stolen": None, **extra}  # fmt: skip
 
+
+def test_report_quotes_async_against_the_background_dd_write(train_ckpt_bench):
     measured = {
         "no checkpoint": [run(100.0)],
         "async": [run(101.0)],
@@ -52,3 +54,12 @@ def test_report_quotes_async_against_the_background_dd_write(train_ckpt_bench):
     text = train_ckpt_bench.report(measured, ranks=2, every=5, checkpoints=2, reps=1, note="")
     assert "lose 1.00 s per write; lost per checkpoint against it: async 0.50x." in text
     assert "| async | 1.000 | 1.000 | 0.50 | 2.00 |" in text
+
+
+def test_report_quotes_the_copy_into_new_memory_where_measured(train_ckpt_bench):
+    measured = {"no checkpoint": [run(100.0, copy_new=0.5)], "async": [run(101.0, copy_new=0.7)]}
+    text = train_ckpt_bench.report(measured, ranks=2, every=5, checkpoints=2, reps=1, note="")
+    assert "takes 0.250 s per rank, into new memory 0.600 s (what faulting memory in costs" in text
+    old = {"no checkpoint": [run(100.0)], "async": [run(101.0)]}  # raw results of runs before it was measured
+    text = train_ckpt_bench.report(old, ranks=2, every=5, checkpoints=2, reps=1, note="")
+    assert "takes 0.250 s per rank; the no-checkpoint run's median step is 1.000 s" in text
