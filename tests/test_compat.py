@@ -3,10 +3,11 @@ exists and does what nemo_ckpt relies on. Run these first after upgrading a depe
 
 import io
 import pickle
+import re
 import struct
 import zipfile
+from importlib.metadata import version
 
-import nemo_run as run
 import numpy as np
 import pytest
 import torch
@@ -29,7 +30,23 @@ def _write_item(tensor: torch.Tensor) -> WriteItem:
     return WriteItem(index=MetadataIndex("w", chunk.offsets), type=WriteItemType.SHARD, tensor_data=data)
 
 
-def test_versions_are_the_tested_ones():
+def test_versions_are_the_tested_ones(monkeypatch):
+    monkeypatch.delenv(_compat.ALLOW_UNTESTED, raising=False)
+    _compat._check_versions()
+
+
+def test_an_untested_version_raises_unless_allowed_and_a_missing_library_is_not_checked(monkeypatch):
+    monkeypatch.setitem(_compat.TESTED, "torch", ("1.0.",))
+    monkeypatch.delenv(_compat.ALLOW_UNTESTED, raising=False)
+    found = re.escape(f"found {{'torch': '{version('torch')}'}}; run `NEMO_CKPT_ALLOW_UNTESTED_VERSIONS=1 pytest")
+    with pytest.raises(ImportError, match=found):
+        _compat._check_versions()
+    monkeypatch.setenv(_compat.ALLOW_UNTESTED, "1")
+    with pytest.warns(UserWarning, match="checked against"):
+        _compat._check_versions()
+    monkeypatch.delenv(_compat.ALLOW_UNTESTED)
+    monkeypatch.setitem(_compat.TESTED, "torch", (version("torch"),))
+    monkeypatch.setitem(_compat.TESTED, "a-library-not-installed", ("1.",))
     _compat._check_versions()
 
 
@@ -108,12 +125,14 @@ def test_lightning_ddp_kwargs_are_the_strategy_s_extra_arguments():
 
 
 def test_nemo_run_experiment_dir(tmp_path):
+    run = pytest.importorskip("nemo_run")
     with run.Experiment("canary", base_dir=str(tmp_path), log_level="WARN") as experiment:
         directory = _compat.nemo_run_experiment_dir(experiment)
     assert directory.parent.name == "canary" and tmp_path in directory.parents
 
 
 def test_nemo_run_cli_parses_union_types():
+    pytest.importorskip("nemo_run")
     from nemo_run.cli.cli_parser import parse_cli_args
 
     def entry(steps: int | None = None, name: str | None = None) -> None: ...

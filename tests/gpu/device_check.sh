@@ -24,7 +24,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   echo "device_check: no wheels in .whl/: run 'bash tests/gpu/device_check.sh --fetch-wheels' first and carry .whl"
   exit 1
 }
-export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+# that machine's torch is not the tested one (constraints.txt): go on, and let the canaries say what differs
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 NEMO_CKPT_ALLOW_UNTESTED_VERSIONS=1
 nvidia-smi >"$out/nvidia-smi.txt" 2>&1
 python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__, \
 torch.cuda.get_device_name())" 2>&1 | tee "$out/versions.txt"
