@@ -32,6 +32,6 @@ torch.cuda.get_device_name())" 2>&1 | tee "$out/versions.txt"
 status=0
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/dist_checkpointing/test_staging_buffers.py \
   tests/test_compat.py 2>&1 | tee "$out/tests.log" || status=1
-timeout 300 python3 benchmarks/ckpt_bench.py --device cuda --sizes-gib 2 --ranks 1 --reps 3 --dir /tmp/ckpt_bench \
+timeout 300 python3 benchmarks/ckpt_bench.py --device cuda --sizes-gib 1 --ranks 1 --reps 3 --dir /tmp/ckpt_bench \
   --no-write 2>&1 | tee "$out/ckpt_bench.log" || status=1
 exit "$status"
