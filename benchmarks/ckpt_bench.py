@@ -116,14 +116,10 @@ def local_state(size: int, rank: int, shards: int = 1, device: str = "cpu") -> d
     return {f"t{i}": torch.randn((rows, ROW), generator=generator).to(device) for i in range(size // TENSOR_BYTES)}
 
 
-def on_gpu() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
-
-
 def settled() -> float:
     """`time.perf_counter()` once the current stream has done the work queued on it so far (on a GPU: an async
     save's device-to-host copies, which the stream waits for before training's next kernel)."""
-    if on_gpu():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.current_stream().synchronize()
     return time.perf_counter()
 

@@ -252,7 +252,7 @@ def worker(
             # the saves inside the measured steps (the one at the end of training is not)
             commits = [checkpoint.committed[s] - checkpoint.started[s] for s in checkpoint.committed if s < steps]
         per_rank: list[Any] = [None] * ranks
-        dist.all_gather_object(per_rank, (measure.starts, measure.ends, peak, state_bytes, copy, commits, copy_new))
+        dist.all_gather_object(per_rank, (measure.starts, measure.ends, peak, state_bytes, copy, copy_new, commits))
         if rank == 0:
             # a step: from its start to the next one's (the checkpoint callback runs in between), the last to its end
             step_times = [
@@ -265,8 +265,8 @@ def worker(
                 "peak": max(p[2] for p in per_rank),
                 "state_bytes": max(p[3] for p in per_rank),
                 "copy": max(p[4] for p in per_rank),
-                "copy_new": max(p[6] for p in per_rank),
-                "commits": [max(c) for c in zip(*(p[5] for p in per_rank))],
+                "copy_new": max(p[5] for p in per_rank),
+                "commits": [max(c) for c in zip(*(p[6] for p in per_rank))],
                 "checkpoints": checkpoints,
                 "stolen": None if None in measure.stolen else measure.stolen[1] - measure.stolen[0],
             }
