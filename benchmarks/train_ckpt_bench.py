@@ -338,10 +338,12 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
         windows = [excess_per_checkpoint(r["steps"], every, checkpoints) for r in runs]
         excess = statistics.median(sum(w) for w in windows) / checkpoints
         first = statistics.median(w[0] for w in windows)
-        later = statistics.median(x for w in windows for x in w[1:])
+        later_values = [x for w in windows for x in w[1:]]  # none with --checkpoints 1
+        later = f"{statistics.median(later_values):.2f}" if later_values else ""
+        later_per_copy = f"{statistics.median(later_values) / copy:.2f}" if later_values else ""
         if name == "no checkpoint":
             cells = [name, f"{median_step:.3f}", f"{slowest:.3f}", "", "", "", f"{excess:.2f}", f"{first:.2f}"]
-            cells += [f"{later:.2f}", "", "", "0 (baseline)", ""]
+            cells += [later, "", "", "0 (baseline)", ""]
         else:
             lost = statistics.median((r["train"] - b["train"]) / checkpoints for r, b in zip(runs, base, strict=True))
             lost_by[name] = lost
@@ -357,8 +359,8 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
                 f"{lost / (50 * base_step):.1%}",
                 f"{excess:.2f}",
                 f"{first:.2f}",
-                f"{later:.2f}",
-                f"{later / copy:.2f}",
+                later,
+                later_per_copy,
                 f"{commit:.2f}",
                 f"{peak / 2**30:.2f}",
                 f"{statistics.median(stolen):.2f}" if stolen else "",

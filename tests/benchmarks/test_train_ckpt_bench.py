@@ -63,3 +63,11 @@ def test_report_quotes_the_copy_into_new_memory_where_measured(train_ckpt_bench)
     old = {"no checkpoint": [run(100.0)], "async": [run(101.0)]}  # raw results of runs before it was measured
     text = train_ckpt_bench.report(old, ranks=2, every=5, checkpoints=2, reps=1, note="")
     assert "takes 0.250 s per rank; the no-checkpoint run's median step is 1.000 s" in text
+
+
+def test_report_of_one_checkpoint_per_run_leaves_the_later_checkpoints_blank(train_ckpt_bench):
+    def one(train: float) -> dict:
+        return {**run(train), "steps": [1.0] * 7, "commits": [1.0], "checkpoints": 1}
+
+    text = train_ckpt_bench.report({"no checkpoint": [one(100.0)], "async": [one(101.0)]}, 2, 5, 1, 1, "")
+    assert "| async | 1.000 | 1.000 | 1.00 | 4.00 | 2.0% | 0.00 | 0.00 |  |  | 1.00 |" in text
