@@ -59,7 +59,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import disk_ceiling  # noqa: E402
-from results import MEGATRON_CORE_INSTALL, check_dependencies, write_section  # noqa: E402
+from results import MEGATRON_CORE_INSTALL, check_dependencies, settled, write_section  # noqa: E402
 
 from nemo_ckpt import dist_checkpointing as dc  # noqa: E402
 from nemo_ckpt.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: E402
@@ -114,14 +114,6 @@ def local_state(size: int, rank: int, shards: int = 1, device: str = "cpu") -> d
     rows = TENSOR_BYTES // 4 // ROW * shards
     generator = torch.Generator().manual_seed(rank)
     return {f"t{i}": torch.randn((rows, ROW), generator=generator).to(device) for i in range(size // TENSOR_BYTES)}
-
-
-def settled() -> float:
-    """`time.perf_counter()` once the current stream has done the work queued on it so far (on a GPU: an async
-    save's device-to-host copies, which the stream waits for before training's next kernel)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.current_stream().synchronize()
-    return time.perf_counter()
 
 
 def config_dir(size: int, world: int) -> str:

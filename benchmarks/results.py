@@ -7,6 +7,7 @@ import re
 import shutil
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +94,13 @@ def measurement_trainer(devices: int, strategy: Any, max_steps: int, callbacks: 
         num_sanity_val_steps=0,
         callbacks=callbacks,
     )
+
+
+def settled() -> float:
+    """`time.perf_counter()` once the current CUDA stream has done the work queued on it so far, where CUDA is in
+    use (work on other streams, e.g. a save's copies into host memory, only where the stream waits for it)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
+    return time.perf_counter()

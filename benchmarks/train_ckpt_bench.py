@@ -1,7 +1,7 @@
 """Checkpoint cost as training sees it: a GPT whose model + optimizer state is over 1 GiB per rank, trained on
 2 processes with `MegatronStrategy` and `ModelCheckpoint`, checkpointing every N steps.
 
-    python benchmarks/train_ckpt_bench.py [--every 10] [--checkpoints 3] [--reps 2] [--ranks 2]
+    python benchmarks/train_ckpt_bench.py [--every 10] [--checkpoints 3] [--reps 2] [--ranks 2] [--device cuda]
 
 Configurations, interleaved (rotated order per repetition), each in fresh processes: no checkpoint; sync saves;
 async saves, both with the defaults (as NeMo's: `ckpt_parallel_save` and `ckpt_parallel_save_optim`, the
@@ -10,7 +10,11 @@ written by a writer process per rank (`ckpt_async_writer_process=True`); async s
 0 writes all of the replicated state); and, for reference, no checkpoint but the bytes a parallel save writes,
 written by `dd` in the background at the same steps (O_DIRECT, at the lowest CPU priority). All with
 `ckpt_assume_constant_structure` and 2 writer threads per rank, the data-parallel `no_shard` layout (DDP), AdamW,
-1 torch thread per rank. Measured, on the slowest rank:
+1 torch thread per rank. With `--device cuda` rank r trains on GPU r (NCCL), the state's copies go into pinned memory
+on a side stream that the next forward and backward overlap, and the configuration "async, copies before the next
+step" has the stream wait for them at the save instead (as before that overlap; on CPU the same as "async");
+`--seq-length` and `--micro-batch-size` make a step long enough to overlap. Measured, on the slowest rank (on a
+GPU, each step's start and end wait for the training stream):
 - step time: every step's wall time (after warm-up) up to the next step's start, so with the checkpoint callback
   and the save it runs; median and the slowest step;
 - time lost per checkpoint: (training time - the no-checkpoint run's) / number of checkpoints, training time being
@@ -50,7 +54,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from results import check_dependencies, join_process_group, measurement_trainer, write_section
+from results import check_dependencies, join_process_group, measurement_trainer, settled, write_section
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -66,16 +70,19 @@ from tests.helpers.distributed import free_port  # noqa: E402
 SECTION = "## Checkpoints during training"
 # 96M parameters: x 12 bytes (fp32 weights, Adam's two moments) = 1.07 GiB of model + optimizer state per rank
 MODEL = {"num_layers": 2, "hidden_size": 256, "ffn_hidden_size": 688, "vocab_size": 184320, "seq_length": 32}
+DEFAULT_SEQ_LENGTH = MODEL["seq_length"]
 WARMUP_STEPS = 3
 AFFECTED_STEPS = 4  # steps counted as a checkpoint's: the saving one and the next 3 (an async write takes 1-2)
 WRITER_THREADS = 2  # ckpt_torch_dist_multiproc's default
 BACKGROUND_WRITE = "background dd write, no checkpoint"
+NOT_OVERLAPPED = "async, copies before the next step"
 CONFIGS = {
     "no checkpoint": None,
     "sync": {},
     "async": {"ckpt_async_save": True},
     "async, 1 writer thread": {"ckpt_async_save": True, "ckpt_torch_dist_multiproc": 1},
     "async, writer process": {"ckpt_async_save": True, "ckpt_async_writer_process": True},
+    NOT_OVERLAPPED: {"ckpt_async_save": True},
     "async, no parallel save": {
         "ckpt_async_save": True,
         "ckpt_parallel_save": False,
@@ -104,26 +111,31 @@ class Measure(pl.Callback):
         self.stolen: list[float | None] = [None, None]
 
     def on_train_batch_start(self, *args: Any) -> None:
-        self.starts.append(time.perf_counter())
+        self.starts.append(settled())
         if len(self.starts) == WARMUP_STEPS + 1:
             self.stolen[0] = cpu_stolen()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.ends.append(time.perf_counter())
+        self.ends.append(settled())
         self.stolen[1] = cpu_stolen()
 
 
 class TimedModelCheckpoint(ModelCheckpoint):
-    """`ModelCheckpoint` that records when each save starts and when it is committed."""
+    """`ModelCheckpoint` that records when each save starts and when it is committed; with `order_at_save`, the
+    training stream waits for a save's copies into host memory right after it (instead of at the next update)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, order_at_save: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.order_at_save = order_at_save
         self.started: dict[int, float] = {}
         self.committed: dict[int, float] = {}
 
     def save(self, trainer: pl.Trainer, weights_only: bool = False) -> Path:
         self.started.setdefault(trainer.global_step, time.perf_counter())
-        return super().save(trainer, weights_only)
+        path = super().save(trainer, weights_only)
+        if self.order_at_save:
+            trainer.strategy.checkpoint_io.order_after_staging()
+        return path
 
     def _commit(self, trainer: pl.Trainer, record: Any) -> None:
         super()._commit(trainer, record)
@@ -192,15 +204,16 @@ def state_tensors(model: pl.LightningModule, optimizer: torch.optim.Optimizer) -
 
 
 def copy_time(tensors: list[torch.Tensor]) -> tuple[float, float]:
-    """Seconds to copy `tensors` into new memory (the first copy, which faults it in), and into memory kept from
-    an earlier copy (median of 3 more)."""
-    buffers = [torch.empty_like(t) for t in tensors]
+    """Seconds to copy `tensors` into new host memory (the first copy, which faults it in; pinned for GPU tensors),
+    and into memory kept from an earlier copy (median of 3 more)."""
+    on_gpu = tensors[0].is_cuda
+    buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu) for t in tensors]
     times = []
     for _ in range(4):
-        start = time.perf_counter()
+        start = settled()
         for buffer, tensor in zip(buffers, tensors):
-            buffer.copy_(tensor)
-        times.append(time.perf_counter() - start)
+            buffer.copy_(tensor, non_blocking=on_gpu)
+        times.append(settled() - start)
     return times[0], statistics.median(times[1:])
 
 
@@ -213,9 +226,13 @@ def worker(
     checkpoints: int,
     root: str,
     model_shape: dict,
+    micro_batch_size: int,
+    device: str,
     results: Any,
 ) -> None:
-    join_process_group(rank, ranks, port)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    join_process_group(rank, ranks, port, backend="gloo" if device == "cpu" else "cpu:gloo,cuda:nccl")
     try:
         pl.seed_everything(0, verbose=False)
         options = CONFIGS[name]
@@ -226,21 +243,28 @@ def worker(
         config = gpt_config("tiny", **model_shape)
         model = GPTModel(config, OptimizerConfig(lr=1e-4))
         data = MockDataModule(
-            seq_length=config.seq_length, vocab_size=config.vocab_size, micro_batch_size=1, global_batch_size=ranks
+            seq_length=config.seq_length,
+            vocab_size=config.vocab_size,
+            micro_batch_size=micro_batch_size,
+            global_batch_size=ranks * micro_batch_size,
         )
         measure = Measure()
         callbacks: list[pl.Callback] = [measure]
         checkpoint: TimedModelCheckpoint | BackgroundWrite | None = None
         if options is not None:
             checkpoint = TimedModelCheckpoint(
-                dirpath=str(Path(root) / "checkpoints"), every_n_train_steps=every, save_top_k=1, save_last=False
+                dirpath=str(Path(root) / "checkpoints"),
+                every_n_train_steps=every,
+                save_top_k=1,
+                save_last=False,
+                order_at_save=name == NOT_OVERLAPPED,
             )
         elif name == BACKGROUND_WRITE:
             checkpoint = BackgroundWrite(every, Path(root) / f"background_rank{rank}")
         if checkpoint is not None:
             callbacks.append(checkpoint)
         steps = WARMUP_STEPS + every * checkpoints + every // 2
-        trainer = measurement_trainer(ranks, strategy, steps, callbacks)
+        trainer = measurement_trainer(ranks, strategy, steps, callbacks, "cpu" if device == "cpu" else "gpu")
         rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         trainer.fit(model, datamodule=data)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
@@ -274,7 +298,9 @@ def worker(
         dist.destroy_process_group()
 
 
-def run(names: list[str], ranks: int, every: int, checkpoints: int, reps: int) -> dict[str, list[dict]]:
+def run(
+    names: list[str], ranks: int, every: int, checkpoints: int, reps: int, micro_batch_size: int, device: str
+) -> dict[str, list[dict]]:
     measured: dict[str, list[dict]] = {name: [] for name in names}
     with mp.Manager() as manager:
         for rep in range(reps):
@@ -282,9 +308,8 @@ def run(names: list[str], ranks: int, every: int, checkpoints: int, reps: int) -
                 root = tempfile.mkdtemp(prefix="train_ckpt_bench_", dir="/tmp")
                 try:
                     results = manager.dict()
-                    mp.spawn(
-                        worker, args=(ranks, free_port(), name, every, checkpoints, root, MODEL, results), nprocs=ranks
-                    )
+                    spawned = (ranks, free_port(), name, every, checkpoints, root, MODEL, micro_batch_size, device)
+                    mp.spawn(worker, args=(*spawned, results), nprocs=ranks)
                     measured[name].append(dict(results[name]))
                 finally:
                     shutil.rmtree(root, ignore_errors=True)
@@ -310,7 +335,16 @@ def excess_per_checkpoint(steps: list[float], every: int, checkpoints: int) -> l
     return excess
 
 
-def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints: int, reps: int, note: str) -> str:
+def report(
+    measured: dict[str, list[dict]],
+    ranks: int,
+    every: int,
+    checkpoints: int,
+    reps: int,
+    note: str,
+    micro_batch_size: int = 1,
+    device: str = "cpu",
+) -> str:
     base = measured["no checkpoint"]
     base_step = statistics.median(statistics.median(r["steps"]) for r in base)
     base_peak = statistics.median(r["peak"] for r in base)
@@ -366,12 +400,17 @@ def report(measured: dict[str, list[dict]], ranks: int, every: int, checkpoints:
                 f"{statistics.median(stolen):.2f}" if stolen else "",
             ]
         lines.append("| " + " | ".join(cells) + " |")
+    options = f" --device {device}" if device != "cpu" else ""
+    if MODEL["seq_length"] != DEFAULT_SEQ_LENGTH or micro_batch_size != 1:
+        options += f" --seq-length {MODEL['seq_length']} --micro-batch-size {micro_batch_size}"
+    ranks_on = f"{ranks} NCCL ranks on as many GPUs" if device != "cpu" else f"{ranks} gloo ranks with 1 thread each"
     return (
         f"{SECTION}\n\n`python benchmarks/train_ckpt_bench.py --every {every} --checkpoints {checkpoints} "
-        f"--reps {reps}` on {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {ranks} gloo "
-        f"ranks with 1 thread each. GPT of {MODEL['vocab_size']} vocab x {MODEL['hidden_size']} "
+        f"--reps {reps}{options}` on {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"{ranks_on}. GPT of {MODEL['vocab_size']} vocab x {MODEL['hidden_size']} "
         f"hidden, {MODEL['num_layers']} layers: {state_gib:.2f} GiB of model + optimizer state per rank (DDP, "
-        f"replicated), AdamW, micro-batch 1 x {MODEL['seq_length']} tokens per rank. A checkpoint every {every} "
+        f"replicated), AdamW, micro-batch {micro_batch_size} x {MODEL['seq_length']} tokens per rank. A checkpoint "
+        f"every {every} "
         f"steps, {checkpoints} per run; `ckpt_assume_constant_structure`, 2 writer threads per rank, parallel save "
         "(the default, as NeMo's: each rank writes half of the replicated state) unless the row says otherwise. "
         f"Copying the state into preallocated memory takes {copy:.3f} s per rank{new_memory}; the no-checkpoint "
@@ -411,7 +450,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=MODEL["vocab_size"], help="smaller for a quick try")
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--seq-length", type=int, default=MODEL["seq_length"], help="tokens per sample")
+    parser.add_argument("--micro-batch-size", type=int, default=1, help="samples per rank and step")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: rank r trains on GPU r")
+    parser.add_argument(
+        "--configs", nargs="+", choices=list(CONFIGS), help=f"default: all ({NOT_OVERLAPPED!r} with --device cuda only)"
+    )
     parser.add_argument("--note", default="", help="appended to the RESULTS.md section (machine, load)")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--raw", type=Path, help="also write every run's measurements to this JSON file")
@@ -422,18 +466,25 @@ def main() -> None:
             f"--every {args.every}: a checkpoint's steps are the saving one and the {AFFECTED_STEPS - 1} after it, "
             f"measured against the steps after those up to the next save; use --every {AFFECTED_STEPS + 1} or more"
         )
-    for option in ("checkpoints", "reps", "ranks"):
+    for option in ("checkpoints", "reps", "ranks", "seq_length", "micro_batch_size"):
         if getattr(args, option) < 1:
-            parser.error(f"--{option} {getattr(args, option)}: use 1 or more")
-    MODEL["vocab_size"] = args.vocab_size
-    names = ["no checkpoint"] + [name for name in args.configs if name != "no checkpoint"]
+            parser.error(f"--{option.replace('_', '-')} {getattr(args, option)}: use 1 or more")
+    if args.device == "cuda" and not args.from_raw and torch.cuda.device_count() < args.ranks:
+        parser.error(f"--ranks {args.ranks} with --device cuda: this machine has {torch.cuda.device_count()} GPUs")
+    configs = args.configs or [name for name in CONFIGS if name != NOT_OVERLAPPED or args.device == "cuda"]
+    if NOT_OVERLAPPED in configs and args.device == "cpu":
+        parser.error(f"--configs {NOT_OVERLAPPED!r} differs from 'async' only with --device cuda")
+    MODEL["vocab_size"], MODEL["seq_length"] = args.vocab_size, args.seq_length
+    names = ["no checkpoint"] + [name for name in configs if name != "no checkpoint"]
     if args.from_raw:
         measured = json.loads(args.from_raw.read_text())
     else:
-        measured = run(names, args.ranks, args.every, args.checkpoints, args.reps)
+        measured = run(names, args.ranks, args.every, args.checkpoints, args.reps, args.micro_batch_size, args.device)
     if args.raw:
         args.raw.write_text(json.dumps(measured))
-    text = report(measured, args.ranks, args.every, args.checkpoints, args.reps, args.note)
+    text = report(
+        measured, args.ranks, args.every, args.checkpoints, args.reps, args.note, args.micro_batch_size, args.device
+    )
     print(text)
     if not args.no_write:
         write_section(text, REPO / "benchmarks" / "RESULTS.md")

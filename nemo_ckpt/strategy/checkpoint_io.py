@@ -16,6 +16,7 @@ from nemo_ckpt.checkpoint.layout import weights_dir
 from nemo_ckpt.dist_checkpointing.mapping import ShardedBase
 from nemo_ckpt.dist_checkpointing.serialization import get_default_load_sharded_strategy
 from nemo_ckpt.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncSaveFailure
+from nemo_ckpt.dist_checkpointing.strategies.filesystem_async import order_after_deferred_copies
 from nemo_ckpt.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
@@ -48,7 +49,8 @@ class DistCheckpointOptions:
     save_ckpt_format: 'torch_dist' (saving 'zarr' is not supported; zarr checkpoints still load).
     ckpt_async_save: stage to CPU and write in the background; the checkpoint is completed (metadata.json,
         then `finalize_fn`) by `DistCheckpointIO.maybe_finalize`, which the strategy calls every step and at
-        teardown.
+        teardown. GPU shards are staged into pinned memory on a side stream (see `DistCheckpointIO`'s
+        `defer_device_copies`).
     ckpt_parallel_save: spread the writing of replicated model shards evenly over the ranks.
     ckpt_parallel_save_within_dp: spread it within the data-parallel group only (set by the strategy with
         `set_data_parallel_group`; the world until then).
@@ -133,10 +135,17 @@ MEGATRON_CHECKPOINT_IO_ARGUMENTS = {
 @strict_options(MEGATRON_CHECKPOINT_IO_ARGUMENTS)
 class DistCheckpointIO(CheckpointIO):
     """Saves a sharded checkpoint dict on every rank into `<path>/weights`, loads it back into a template,
-    as `options` (a `DistCheckpointOptions`) say."""
+    as `options` (a `DistCheckpointOptions`) say.
 
-    def __init__(self, options: DistCheckpointOptions | None = None) -> None:
+    `defer_device_copies`: a save of GPU tensors returns before the current CUDA stream is ordered after their copies
+    into host memory, so the copies overlap the work queued next (forward and backward); the owner calls
+    `order_after_staging()` before anything changes a saved tensor (`MegatronStrategy` does, before the optimizer's
+    update). Loads order themselves.
+    """
+
+    def __init__(self, options: DistCheckpointOptions | None = None, defer_device_copies: bool = False) -> None:
         self.options = options or DistCheckpointOptions()
+        self.defer_device_copies = defer_device_copies
         self.async_calls = self._new_async_queue() if self.options.ckpt_async_save else None
         self._failure_fns: dict[int, Callable[[], None]] = {}
         self.data_parallel_group: ProcessGroup | None = None
@@ -172,6 +181,7 @@ class DistCheckpointIO(CheckpointIO):
             crc32=False,
             reuse_staging_buffers=options.ckpt_assume_constant_structure,
             writer_process=options.ckpt_async_writer_process,
+            defer_device_copies=self.defer_device_copies,
         )
         if options.ckpt_parallel_save and options.ckpt_parallel_save_optim:
             include = None
@@ -222,6 +232,11 @@ class DistCheckpointIO(CheckpointIO):
         if failure_fn is not None:
             self._failure_fns[index] = failure_fn
 
+    def order_after_staging(self) -> None:
+        """Order the current CUDA stream after the deferred device-to-host copies of earlier saves (see
+        `defer_device_copies`): kernels queued from now on may change the saved tensors. The host does not block."""
+        order_after_deferred_copies()
+
     def maybe_finalize(self, blocking: bool = False) -> list[int]:
         """Complete the async saves that every rank has finished writing (all of them if `blocking`).
 
@@ -253,6 +268,7 @@ class DistCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         if sharded_state_dict is None:
             raise ValueError("DistCheckpointIO.load_checkpoint needs `sharded_state_dict`, the template to load into")
+        self.order_after_staging()  # the load writes into the template's tensors
         source = weights_dir(path)
         strictness = self.options.ckpt_load_strictness
         strict = {} if strictness is None else {"strict": strictness}
@@ -269,6 +285,7 @@ class DistCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         """Finish every async save in flight and stop the background writer."""
+        self.order_after_staging()
         if self.async_calls is not None:
             try:
                 self.maybe_finalize(blocking=True)

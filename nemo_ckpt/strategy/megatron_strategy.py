@@ -6,7 +6,7 @@ dimension of a device mesh (gloo on CPU, NCCL on GPU). Checkpoints use layout-in
 resumes under any other sharding strategy and world size.
 """
 
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -70,6 +70,7 @@ from nemo_ckpt.strategy.state_dict import (
     model_sharded_state_dict,
     named_optimizer_state,
     optimizer_sharded_state_dict,
+    saves_gpu_buffers,
 )
 
 
@@ -159,6 +160,12 @@ class MegatronStrategy(DDPStrategy):
     `parallel_devices`, `cluster_environment`, `process_group_backend`, `timeout`: Lightning's DDPStrategy's.
     Any other argument is an error: a misspelt one names the closest option, a NeMo option not implemented here
     says what it means in NeMo (`NEMO_UNSUPPORTED`).
+
+    Saves of GPU state copy it into pinned host memory on a side stream; those copies overlap the next forward and
+    backward, and the optimizer's update (and any load) waits for them on the GPU. Where the model's state dict
+    holds GPU buffers, which forward may change, the save waits for them instead. Code that changes parameters or
+    optimizer state in place elsewhere (e.g. swapping in averaged weights for validation) calls
+    `trainer.strategy.checkpoint_io.order_after_staging()` first.
     """
 
     def __init__(
@@ -224,7 +231,8 @@ class MegatronStrategy(DDPStrategy):
                 ckpt_async_save_failure=ckpt_async_save_failure,
                 ckpt_verify_on_load=ckpt_verify_on_load,
                 ckpt_async_writer_process=ckpt_async_writer_process,
-            )
+            ),
+            defer_device_copies=True,  # ordered in `optimizer_step`, or right after a save of GPU buffers
         )
         super().__init__(
             parallel_devices=parallel_devices,
@@ -648,8 +656,23 @@ class MegatronStrategy(DDPStrategy):
             "optimizer_states": [self.optimizer_state(optimizer) for optimizer in self.optimizers],
         }
 
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any
+    ) -> Any:
+        """The optimizer's step, its update ordered after the last save's device-to-host copies, which so overlap
+        the forward and backward that `closure` runs (the optimizer calls it before updating anything)."""
+
+        def closure_then_order() -> Any:
+            result = closure()
+            self.checkpoint_io.order_after_staging()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_order, model, **kwargs)
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None) -> None:
         self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if saves_gpu_buffers(self.lightning_module):  # the next forward may change them
+            self.checkpoint_io.order_after_staging()
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         return self.checkpoint_io.load_checkpoint(checkpoint_path, sharded_state_dict=self.sharded_state_dict())

@@ -54,6 +54,16 @@ def model_sharded_state_dict(
     return sharded
 
 
+def saves_gpu_buffers(module: nn.Module) -> bool:
+    """Whether `module`'s state dict holds buffers on a GPU. Unlike parameters and optimizer state, which only the
+    optimizer's update changes, a buffer may change in forward (BatchNorm's statistics, DDP's buffer broadcast)."""
+    parameters = {id(param) for param in module.parameters()}
+    return any(
+        isinstance(value, torch.Tensor) and value.is_cuda and id(value) not in parameters
+        for value in module.state_dict(keep_vars=True).values()
+    )
+
+
 def named_optimizer_state(optimizer: Optimizer, names: dict[nn.Parameter, str]) -> dict[str, Any]:
     """`optimizer.state_dict()` keyed by parameter name (`names`), with the live state tensors (no copies)."""
     return {

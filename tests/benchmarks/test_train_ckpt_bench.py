@@ -1,12 +1,14 @@
 """train_ckpt_bench's options are checked before any run: a checkpoint interval too short to measure, or no
 checkpoints, repetitions or ranks, is an error that names the option (not a failure after minutes of training);
-the report quotes the async rows' loss against that of the same bytes written by `dd` in the background, and the
-copy into new memory where it was measured."""
+more ranks than GPUs with `--device cuda` too; the report quotes the async rows' loss against that of the same bytes
+written by `dd` in the background, the copy into new memory where it was measured, and a GPU run's device and
+shape."""
 
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -30,6 +32,8 @@ def train_ckpt_bench(monkeypatch):
         (["--every", "5", "--checkpoints", "0"], "--checkpoints 0: use 1 or more"),
         (["--reps", "0"], "--reps 0: use 1 or more"),
         (["--ranks", "0"], "--ranks 0: use 1 or more"),
+        (["--micro-batch-size", "0"], "--micro-batch-size 0: use 1 or more"),
+        (["--configs", "async, copies before the next step"], "differs from 'async' only with --device cuda"),
     ],
 )
 def test_bad_options_fail_before_any_run(train_ckpt_bench, monkeypatch, capsys, argv, message):
@@ -71,3 +75,19 @@ def test_report_of_one_checkpoint_per_run_leaves_the_later_checkpoints_blank(tra
 
     text = train_ckpt_bench.report({"no checkpoint": [one(100.0)], "async": [one(101.0)]}, 2, 5, 1, 1, "")
     assert "| async | 1.000 | 1.000 | 1.00 | 4.00 | 2.0% | 0.00 | 0.00 |  |  | 1.00 |" in text
+
+
+def test_more_ranks_than_gpus_fail_before_any_run(train_ckpt_bench, monkeypatch, capsys):
+    ranks = torch.cuda.device_count() + 1
+    monkeypatch.setattr(sys, "argv", ["train_ckpt_bench.py", "--no-write", "--device", "cuda", "--ranks", str(ranks)])
+    with pytest.raises(SystemExit):
+        train_ckpt_bench.main()
+    assert f"--ranks {ranks} with --device cuda" in capsys.readouterr().err
+
+
+def test_report_of_a_gpu_run_names_its_device_and_shape(train_ckpt_bench):
+    measured = {"no checkpoint": [run(100.0)], "async": [run(101.0)]}
+    text = train_ckpt_bench.report(measured, 1, 5, 2, 1, "", micro_batch_size=4, device="cuda")
+    assert "--device cuda --seq-length" in text
+    assert "1 NCCL ranks on as many GPUs" in text
+    assert "micro-batch 4 x" in text

@@ -1,6 +1,9 @@
 """The tiny GPT trained on a GPU: an async checkpoint, staged into pinned memory on a side stream while training
 goes on, holds the values of its save; resuming with `ckpt_load_directly_on_device` loads it onto the GPU
-bit-identically, and training continues as in the uninterrupted run. Skipped without a GPU (see `device_check.sh`)."""
+bit-identically, and training continues as in the uninterrupted run. Skipped without a GPU (see `device_check.sh`).
+
+Each save first holds up the staging stream for a while (`hold_up_staging`), so that a copy ordered too late
+against training's next kernels (the optimizer's update; a buffer changed in forward) would find changed values."""
 
 from pathlib import Path
 from typing import Any
@@ -10,6 +13,8 @@ import pytest
 import torch
 
 from nemo_ckpt import dist_checkpointing
+from nemo_ckpt.dist_checkpointing.strategies.filesystem_async import DeviceToHostCopies
+from nemo_ckpt.strategy.state_dict import saves_gpu_buffers
 from tests.helpers.trainer import assert_same_checkpoint, fit
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -17,6 +22,16 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 MAX_STEPS = 6
 SAVE_AT = 2
 STRATEGY = {"ckpt_async_save": True, "ckpt_assume_constant_structure": True}
+
+
+def hold_up_staging() -> None:
+    """Queue about a second of matrix products on the stream that stages GPU shards into host memory."""
+    if not torch.cuda.is_available():
+        return
+    matrix = torch.randn(8192, 8192, device="cuda")
+    with torch.cuda.stream(DeviceToHostCopies._side_stream()):
+        for _ in range(40):
+            matrix = matrix @ matrix / 8192
 
 
 class SaveAndSnapshot(pl.Callback):
@@ -30,6 +45,7 @@ class SaveAndSnapshot(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.global_step == self.step:
+            hold_up_staging()
             trainer.save_checkpoint(self.path)
             self.snapshot = self._state(trainer, pl_module)
 
@@ -38,15 +54,27 @@ class SaveAndSnapshot(pl.Callback):
 
     @staticmethod
     def _state(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, torch.Tensor]:
-        """Parameters and optimizer state on the CPU, under their checkpoint keys; the copies are queued on the
-        current stream, so they see what the kernels queued before them wrote."""
+        """Parameters, buffers and optimizer state on the CPU, under their checkpoint keys; the copies are queued on
+        the current stream, so they see what the kernels queued before them wrote."""
+        state = {key: value.detach().to("cpu", copy=True) for key, value in pl_module.state_dict().items()}
         names = {param: name for name, param in pl_module.named_parameters()}
-        state = {name: param.detach().to("cpu", copy=True) for param, name in names.items()}
         for param, param_state in trainer.optimizers[0].state.items():
             for key, value in param_state.items():
                 if torch.is_tensor(value) and value.dim():
                     state[f"optimizer.state.{key}.{names[param]}"] = value.to("cpu", copy=True)
         return state
+
+
+class CountForwards(pl.Callback):
+    """Give the model a buffer that its forward changes (as BatchNorm's statistics are): the number of forwards."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pl_module.register_buffer("forward_count", torch.zeros(1, device=pl_module.device))
+
+        def count(*_: Any) -> None:
+            pl_module.forward_count.add_(1)
+
+        pl_module.module.register_forward_pre_hook(count)
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +109,19 @@ def test_resume_loads_onto_the_gpu_bit_identically_and_training_continues(uninte
     )
     assert_same_checkpoint(directory / f"step{SAVE_AT}", tmp_path / "loaded")
     assert losses == pytest.approx(reference[SAVE_AT:], rel=1e-5)
+
+
+def test_async_checkpoint_holds_gpu_buffers_as_they_were_at_the_save(tmp_path):
+    saver = SaveAndSnapshot(SAVE_AT, tmp_path / "step")
+    fit(1, {}, MAX_STEPS, accelerator="gpu", callbacks=[CountForwards(), saver], **STRATEGY)
+    stored = dist_checkpointing.load_plain_tensors(tmp_path / "step" / "weights")
+    assert saver.snapshot["forward_count"].item() == SAVE_AT
+    assert saver.final["forward_count"].item() == MAX_STEPS
+    for key, value in saver.snapshot.items():
+        assert torch.equal(stored[key], value), key
+
+
+def test_buffers_on_the_gpu_count_as_saved_gpu_buffers():
+    assert saves_gpu_buffers(torch.nn.BatchNorm1d(4).cuda())
+    assert not saves_gpu_buffers(torch.nn.BatchNorm1d(4))
+    assert not saves_gpu_buffers(torch.nn.Linear(4, 4).cuda())

@@ -2,7 +2,8 @@
 
 1. `prepare_write_data` (training side): stage this rank's shards as CPU tensors (a copy for async
    saves, so training may change the originals; with `StagingBuffers` into the memory of the
-   previous save; GPU shards into pinned memory on a side stream, without blocking the host) and split
+   previous save; GPU shards into pinned memory on a side stream, without blocking the host, and with
+   `defer_device_copies` without holding up the current stream until `order_after_deferred_copies`) and split
    them into `thread_count` files.
 2. `write` (any thread): waits for the GPU copies, then writes each file `__<rank>_<i>.distcp` by its own
    thread, fsynced (`write_files`; async saves staged into shared memory are written by the writer process of
@@ -175,15 +176,19 @@ def _copy_into(data: dict, buffers: dict[MetadataIndex, torch.Tensor], copy: boo
 class DeviceToHostCopies:
     """Where shards live on a GPU: the copies made inside this context go on a side stream into pinned memory,
     without blocking the host. The stream first waits for the work already queued (the shards' values are
-    final); the current stream then waits for the copies, so no later kernel (the next optimizer step) can change
-    a shard before it is copied, while the training thread goes on queuing work. `wait` (the writer, before
-    reading the copies) blocks until they are done. On CPU-only data it does nothing."""
+    final). At the end of the context the current stream waits for the copies, so no later kernel can change a
+    shard before it is copied; with `defer`, it does not, and the copies overlap whatever the current stream does
+    next, until `order_after_deferred_copies` (called before anything changes a shard: the next optimizer step, a
+    load). `wait` (the writer, before reading the copies) blocks until they are done. On CPU-only data it does
+    nothing."""
 
     _streams: dict[int, torch.cuda.Stream] = {}
+    _deferred: list[torch.cuda.Event] = []  # copies that the current stream has not been ordered after yet
 
-    def __init__(self, data: dict) -> None:
+    def __init__(self, data: dict, defer: bool = False) -> None:
         self.sources = [v for v in data.values() if isinstance(v, torch.Tensor) and v.is_cuda]
         self.stream = self._side_stream() if self.sources else None
+        self.defer = defer
         self.done: torch.cuda.Event | None = None
         self._context = None
 
@@ -209,13 +214,24 @@ class DeviceToHostCopies:
             source.record_stream(self.stream)  # its memory is not reused before the copy is done
         self.done = torch.cuda.Event()
         self.done.record(self.stream)
-        torch.cuda.current_stream().wait_event(self.done)
+        if self.defer:
+            self._deferred.append(self.done)
+        else:
+            torch.cuda.current_stream().wait_event(self.done)
         self.sources = []
 
     def wait(self) -> None:
         """Block until the copies are in host memory."""
         if self.done is not None:
             self.done.synchronize()
+
+
+def order_after_deferred_copies() -> None:
+    """Make the current CUDA stream wait for the deferred device-to-host copies of earlier saves (see
+    `DeviceToHostCopies`): kernels queued from now on run after them. The host does not block."""
+    deferred = DeviceToHostCopies._deferred
+    while deferred:
+        torch.cuda.current_stream().wait_event(deferred.pop())
 
 
 def split_into_files(items: list[WriteItem], data: dict, bins: int) -> list[list[WriteItem]]:
@@ -240,6 +256,7 @@ class FileSystemWriterAsync:
         crc32: bool = True,
         staging: StagingBuffers | None = None,
         checksums: bool = True,
+        defer_device_copies: bool = False,
     ) -> None:
         if thread_count < 1:
             raise ValueError(f"thread_count={thread_count}: use 1 or more writer threads (files) per rank")
@@ -251,6 +268,7 @@ class FileSystemWriterAsync:
         self.checksums: FileRanges | None = {} if checksums else None
         self.release_staging: Callable[[], None] = lambda: None
         self.copies = DeviceToHostCopies({})
+        self.defer_device_copies = defer_device_copies
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.items: list[WriteItem] = []
         self.buckets: list[list[WriteItem]] = []
@@ -264,7 +282,7 @@ class FileSystemWriterAsync:
         writer process."""
         self.items = items
         self.in_process = copy and self.staging is not None
-        with DeviceToHostCopies(data) as copies:
+        with DeviceToHostCopies(data, self.defer_device_copies) as copies:
             if self.staging is None:
                 self.data = _copy_into(data, {}, copy)
             else:
@@ -563,8 +581,9 @@ def save_request(
     crc32: bool = True,
     staging: StagingBuffers | None = None,
     checksums: bool = True,
+    defer_device_copies: bool = False,
 ) -> AsyncRequest:
     """Stage the data now; the request writes it (`async_fn`) and finishes the DCP checkpoint (finalize)."""
-    writer = FileSystemWriterAsync(checkpoint_dir, thread_count, cache, crc32, staging, checksums)
+    writer = FileSystemWriterAsync(checkpoint_dir, thread_count, cache, crc32, staging, checksums, defer_device_copies)
     writer.prepare_write_data(items, data, copy=copy_to_cpu)
     return AsyncRequest(writer.write, (), [writer.finish])

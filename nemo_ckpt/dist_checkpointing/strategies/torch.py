@@ -161,6 +161,10 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
             `writer_process.py`); False (default): a thread of this process writes them.
         checksums: compute a CRC32C of every written item in the writer threads and store them in
             `checksums.json` (see `integrity.py`), for `verify`.
+        defer_device_copies: GPU shards' copies into host memory overlap the work queued after the save on the
+            current stream (the next forward and backward) instead of going before it; the caller must call
+            `order_after_deferred_copies()` before anything changes a saved tensor (the optimizer step, a load).
+            False (default): the save returns with the current stream ordered after the copies.
     """
 
     def __init__(
@@ -173,6 +177,7 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         reuse_staging_buffers: bool = False,
         checksums: bool = True,
         writer_process: bool = False,
+        defer_device_copies: bool = False,
     ) -> None:
         super().__init__(backend, version)
         self.checksums = checksums
@@ -181,6 +186,7 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         self.crc32 = crc32
         self._metadata_cache = MetadataCache() if cached_metadata else None
         self._staging = StagingBuffers(writer_process) if reuse_staging_buffers else None
+        self.defer_device_copies = defer_device_copies
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -198,6 +204,7 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
             self.crc32,
             self._staging,
             self.checksums,
+            self.defer_device_copies,
         ).execute_sync()
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> AsyncRequest:
@@ -213,6 +220,7 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
             self.crc32,
             self._staging,
             self.checksums,
+            self.defer_device_copies,
         )
 
 
