@@ -3,7 +3,9 @@ goes on, holds the values of its save; resuming with `ckpt_load_directly_on_devi
 bit-identically, and training continues as in the uninterrupted run. Skipped without a GPU (see `device_check.sh`).
 
 Each save first holds up the staging stream for a while (`hold_up_staging`), so that a copy ordered too late
-against training's next kernels (the optimizer's update; a buffer changed in forward) would find changed values."""
+against training's next kernels (the optimizer's update; a buffer changed in forward) would find changed values,
+and so that whether training's stream went on before the copies were done (they overlap the next forward and
+backward) or waited for them (a model with GPU buffers) shows at the save."""
 
 from pathlib import Path
 from typing import Any
@@ -24,29 +26,43 @@ SAVE_AT = 2
 STRATEGY = {"ckpt_async_save": True, "ckpt_assume_constant_structure": True}
 
 
+def copies_pending() -> bool:
+    """Once training's stream has done its queued work: whether the staging stream still has copies to do."""
+    torch.cuda.current_stream().synchronize()
+    return not DeviceToHostCopies._side_stream().query()
+
+
 def hold_up_staging() -> None:
-    """Queue about a second of matrix products on the stream that stages GPU shards into host memory."""
+    """Queue about a second of matrix products on the stream that stages GPU shards into host memory (into memory
+    allocated first, as an allocation may wait for queued work)."""
     if not torch.cuda.is_available():
         return
-    matrix = torch.randn(8192, 8192, device="cuda")
     with torch.cuda.stream(DeviceToHostCopies._side_stream()):
-        for _ in range(40):
-            matrix = matrix @ matrix / 8192
+        matrix = torch.full((8192, 8192), 1 / 8192, device="cuda")  # its square is itself
+        product = torch.empty_like(matrix)
+        for _ in range(20):
+            torch.mm(matrix, matrix, out=product)
+            torch.mm(product, product, out=matrix)
 
 
 class SaveAndSnapshot(pl.Callback):
-    """At step `step`, save a checkpoint to `path` and keep a copy of the live state as it was at the call."""
+    """At step `step`, save a checkpoint to `path` and keep a copy of the live state as it was at the call. A save
+    the step before (to `<path>-warm-up`) allocates the pinned staging memory, which waits for queued work."""
 
     def __init__(self, step: int, path: Path) -> None:
         self.step = step
         self.path = path
         self.snapshot: dict[str, torch.Tensor] = {}
         self.final: dict[str, torch.Tensor] = {}
+        self.copies_pending_after_save: bool | None = None
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step - 1:
+            trainer.save_checkpoint(self.path.with_name(f"{self.path.name}-warm-up"))
         if trainer.global_step == self.step:
             hold_up_staging()
             trainer.save_checkpoint(self.path)
+            self.copies_pending_after_save = torch.cuda.is_available() and copies_pending()
             self.snapshot = self._state(trainer, pl_module)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -93,6 +109,7 @@ def test_async_checkpoint_from_the_gpu_holds_the_values_of_its_save(uninterrupte
         assert torch.equal(stored[key], value), key
     changed = [key for key, value in saver.final.items() if not torch.equal(value, saver.snapshot[key])]
     assert changed, "training went on after the save: the checkpoint was written while the live state changed"
+    assert saver.copies_pending_after_save, "training's stream went on only once the copies were done"
 
 
 def test_resume_loads_onto_the_gpu_bit_identically_and_training_continues(uninterrupted, tmp_path):
@@ -117,6 +134,7 @@ def test_async_checkpoint_holds_gpu_buffers_as_they_were_at_the_save(tmp_path):
     stored = dist_checkpointing.load_plain_tensors(tmp_path / "step" / "weights")
     assert saver.snapshot["forward_count"].item() == SAVE_AT
     assert saver.final["forward_count"].item() == MAX_STEPS
+    assert saver.copies_pending_after_save is False, "with GPU buffers training's stream waits for the copies"
     for key, value in saver.snapshot.items():
         assert torch.equal(stored[key], value), key
 
