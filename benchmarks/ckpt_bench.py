@@ -17,7 +17,8 @@ Contestants (all with torch.save's zip CRC-32s off, as ours writes them; the `zi
   `dd x1` (one buffered stream, the old baseline) is a reference row.
 - `torch.save` / `torch.load` of each rank's dict to its own file (fsynced).
 - DCP (`torch.distributed.checkpoint`) with 2 writer threads per rank, as ours; `dcp async_save` with a kept
-  `DefaultStager` (it reuses its CPU copies) staging in its background thread.
+  `DefaultStager` (it reuses its CPU copies) staging in its background thread (from a GPU: into pinned memory, and
+  `dcp async_save, unpinned` into pageable memory).
 - megatron-core (when importable, e.g. PYTHONPATH=.venv/megatron-core-0.19.2; its CUDA calls are no-ops on CPU) with its
   fully parallel save wrapper, cached distribution and metadata, 2 threads, validation at the first save only;
   its async path (`async_sharded_save`, its own AsyncCallsQueue).
@@ -49,6 +50,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -81,11 +83,13 @@ CEILING_DIR = "ceiling"
 REFERENCE = "dd x1"  # the old baseline: one buffered stream per rank
 # the 2-rank saves that the 1-rank run loads (a reshard); every other save directory is removed after its run
 LOADED_SAVES = ("torch.save", "dcp", "ours", "megatron-core")
-SAVE_ONLY = ("dcp, zip CRCs", "ours, zip CRCs", "ours async", "dcp async_save", "megatron-core async")
-ASYNC = ("ours async", "dcp async_save", "megatron-core async")
+DCP_UNPINNED = "dcp async_save, unpinned"  # from a GPU only
+ASYNC = ("ours async", "dcp async_save", DCP_UNPINNED, "megatron-core async")
+SAVE_ONLY = ("dcp, zip CRCs", "ours, zip CRCs", *ASYNC)
 MEMCPY = ("memcpy (preallocated)", "memcpy (new memory)")
 LOAD_REPS_PER_SAVE_REP = 2  # loads take a fraction of a save's time, and cold reads on a virtual disk vary more
-ASYNC_COPIES = 5  # copies of the state a rank holds with the async contestants: its own and four kept ones
+ASYNC_COPIES = 5  # copies of the state a rank holds with the async contestants: its own and four kept ones (one
+# more from a GPU: DCP's unpinned copies)
 # files on disk at the peak, in states per rank: a run's ceiling and contestants' saves, and the 2-rank saves the
 # 1-rank run loads
 DISK_COPIES = 6
@@ -175,7 +179,7 @@ class Contestants:
         self.mcore_strategy = self.mcore_save_strategy() if self.mcore else None
         self.mcore_async_strategy = self.mcore_save_strategy() if self.mcore else None
         self.mcore_queue = None
-        self.dcp_async_stager = None
+        self.dcp_async_stagers: dict[bool, Any] = {}  # DCP's DefaultStager, by pinned or not
         self.with_async = with_async
         self.preallocated: dict[str, torch.Tensor] = {}
         self.blocked: dict[str, float] = {}
@@ -202,6 +206,8 @@ class Contestants:
                 "memcpy (preallocated)": self.memcpy_preallocated,
                 "memcpy (new memory)": self.memcpy_new,
             }
+            if self.device == "cuda":
+                saves[DCP_UNPINNED] = lambda: self.save_dcp_async(pinned=False)
         if self.mcore is not None:
             saves["megatron-core"] = self.save_mcore
             if self.with_async:
@@ -286,29 +292,30 @@ class Contestants:
         with zip_crc32(crc):
             torch.distributed.checkpoint.save(self.dtensors(), storage_writer=writer)
 
-    def save_dcp_async(self) -> None:
+    def save_dcp_async(self, pinned: bool = True) -> None:
         """DCP's `async_save` with its `DefaultStager`, kept between saves (it reuses its CPU copies), staging in
-        its background thread; pinned and non-blocking copies where there is an accelerator. Blocked: until the
-        state is staged (training may change it only then)."""
+        its background thread; pinned (unless not `pinned`) and non-blocking copies where there is an accelerator.
+        Blocked: until the state is staged (training may change it only then)."""
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         accelerator = torch.accelerator.is_available()
-        if self.dcp_async_stager is None:
-            self.dcp_async_stager = DefaultStager(
+        name = "dcp async_save" if pinned else DCP_UNPINNED
+        if pinned not in self.dcp_async_stagers:
+            self.dcp_async_stagers[pinned] = DefaultStager(
                 StagingOptions(
-                    use_pinned_memory=accelerator,
+                    use_pinned_memory=accelerator and pinned,
                     use_shared_memory=False,
                     use_async_staging=True,
                     use_non_blocking_copy=accelerator,
                 )
             )
-        writer = torch.distributed.checkpoint.FileSystemWriter(self.path("dcp async_save"), thread_count=THREADS)
+        writer = torch.distributed.checkpoint.FileSystemWriter(self.path(name), thread_count=THREADS)
         start = time.perf_counter()
         response = torch.distributed.checkpoint.async_save(
-            self.dtensors(), storage_writer=writer, async_stager=self.dcp_async_stager
+            self.dtensors(), storage_writer=writer, async_stager=self.dcp_async_stagers[pinned]
         )
         response.staging_completion.result()
-        self.blocked["dcp async_save"] = settled() - start
+        self.blocked[name] = settled() - start
         response.upload_completion.result()
 
     def save_mcore(self) -> None:
@@ -414,9 +421,9 @@ class Contestants:
         """Free the state's copies the async contestants and memcpy keep between saves."""
         self.preallocated = {}
         self.ours_async = self.ours_save_strategy(False)
-        if self.dcp_async_stager is not None:
-            self.dcp_async_stager.close()
-            self.dcp_async_stager = None
+        for stager in self.dcp_async_stagers.values():
+            stager.close()
+        self.dcp_async_stagers = {}
         self.mcore_async_strategy = self.mcore_save_strategy() if self.mcore else None
         gc.collect()
 
@@ -672,7 +679,8 @@ def main() -> None:
             for world in args.ranks:
                 # async contestants and memcpy each keep a copy of the state (ours, DCP's cached staging, memcpy,
                 # megatron-core), torch.load reads into new memory
-                with_async = world * size * ASYNC_COPIES + disk_ceiling.SOURCE_BYTES <= available_memory()
+                copies = ASYNC_COPIES + (args.device == "cuda")
+                with_async = world * size * copies + disk_ceiling.SOURCE_BYTES <= available_memory()
                 if not with_async:
                     print(f"{size_gib} GiB per rank on {world} rank(s): async, memcpy, torch.load left out (memory)")
                 print(f"{size_gib} GiB per rank on {world} rank(s)", flush=True)
