@@ -10,10 +10,10 @@ written by a writer process per rank (`ckpt_async_writer_process=True`); async s
 0 writes all of the replicated state); and, for reference, no checkpoint but the bytes a parallel save writes,
 written by `dd` in the background at the same steps (O_DIRECT, at the lowest CPU priority). All with
 `ckpt_assume_constant_structure` and 2 writer threads per rank, the data-parallel `no_shard` layout (DDP), AdamW,
-1 torch thread per rank. With `--device cuda` rank r trains on GPU r (NCCL), the state's copies go into pinned memory
-on a side stream that the next forward and backward overlap, and the configuration "async, copies before the next
-step" has the stream wait for them at the save instead (as before that overlap; on CPU the same as "async");
-`--seq-length` and `--micro-batch-size` make a step long enough to overlap. Measured, on the slowest rank (on a
+1 torch thread per rank. With `--device cuda` rank r trains on GPU r (NCCL), async saves copy the state into pinned
+memory on a side stream, and "async, overlapped staging" (`ckpt_async_overlap_staging`, GPU only: on CPU the same
+as "async") lets the next forward and backward overlap those copies; `--seq-length` and `--micro-batch-size` make a
+step long enough to overlap. Measured, on the slowest rank (on a
 GPU, each step's start and end wait for the training stream):
 - step time: every step's wall time (after warm-up) up to the next step's start, so with the checkpoint callback
   and the save it runs; median and the slowest step;
@@ -75,14 +75,14 @@ WARMUP_STEPS = 3
 AFFECTED_STEPS = 4  # steps counted as a checkpoint's: the saving one and the next 3 (an async write takes 1-2)
 WRITER_THREADS = 2  # ckpt_torch_dist_multiproc's default
 BACKGROUND_WRITE = "background dd write, no checkpoint"
-NOT_OVERLAPPED = "async, copies before the next step"
+OVERLAPPED = "async, overlapped staging"
 CONFIGS = {
     "no checkpoint": None,
     "sync": {},
     "async": {"ckpt_async_save": True},
     "async, 1 writer thread": {"ckpt_async_save": True, "ckpt_torch_dist_multiproc": 1},
     "async, writer process": {"ckpt_async_save": True, "ckpt_async_writer_process": True},
-    NOT_OVERLAPPED: {"ckpt_async_save": True},
+    OVERLAPPED: {"ckpt_async_save": True, "ckpt_async_overlap_staging": True},
     "async, no parallel save": {
         "ckpt_async_save": True,
         "ckpt_parallel_save": False,
@@ -121,21 +121,16 @@ class Measure(pl.Callback):
 
 
 class TimedModelCheckpoint(ModelCheckpoint):
-    """`ModelCheckpoint` that records when each save starts and when it is committed; with `order_at_save`, the
-    training stream waits for a save's copies into host memory right after it (instead of at the next update)."""
+    """`ModelCheckpoint` that records when each save starts and when it is committed."""
 
-    def __init__(self, *args: Any, order_at_save: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.order_at_save = order_at_save
         self.started: dict[int, float] = {}
         self.committed: dict[int, float] = {}
 
     def save(self, trainer: pl.Trainer, weights_only: bool = False) -> Path:
         self.started.setdefault(trainer.global_step, time.perf_counter())
-        path = super().save(trainer, weights_only)
-        if self.order_at_save:
-            trainer.strategy.checkpoint_io.order_after_staging()
-        return path
+        return super().save(trainer, weights_only)
 
     def _commit(self, trainer: pl.Trainer, record: Any) -> None:
         super()._commit(trainer, record)
@@ -253,11 +248,7 @@ def worker(
         checkpoint: TimedModelCheckpoint | BackgroundWrite | None = None
         if options is not None:
             checkpoint = TimedModelCheckpoint(
-                dirpath=str(Path(root) / "checkpoints"),
-                every_n_train_steps=every,
-                save_top_k=1,
-                save_last=False,
-                order_at_save=name == NOT_OVERLAPPED,
+                dirpath=str(Path(root) / "checkpoints"), every_n_train_steps=every, save_top_k=1, save_last=False
             )
         elif name == BACKGROUND_WRITE:
             checkpoint = BackgroundWrite(every, Path(root) / f"background_rank{rank}")
@@ -454,7 +445,7 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=1, help="samples per rank and step")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: rank r trains on GPU r")
     parser.add_argument(
-        "--configs", nargs="+", choices=list(CONFIGS), help=f"default: all ({NOT_OVERLAPPED!r} with --device cuda only)"
+        "--configs", nargs="+", choices=list(CONFIGS), help=f"default: all ({OVERLAPPED!r} with --device cuda only)"
     )
     parser.add_argument("--note", default="", help="appended to the RESULTS.md section (machine, load)")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
@@ -471,9 +462,9 @@ def main() -> None:
             parser.error(f"--{option.replace('_', '-')} {getattr(args, option)}: use 1 or more")
     if args.device == "cuda" and not args.from_raw and torch.cuda.device_count() < args.ranks:
         parser.error(f"--ranks {args.ranks} with --device cuda: this machine has {torch.cuda.device_count()} GPUs")
-    configs = args.configs or [name for name in CONFIGS if name != NOT_OVERLAPPED or args.device == "cuda"]
-    if NOT_OVERLAPPED in configs and args.device == "cpu":
-        parser.error(f"--configs {NOT_OVERLAPPED!r} differs from 'async' only with --device cuda")
+    configs = args.configs or [name for name in CONFIGS if name != OVERLAPPED or args.device == "cuda"]
+    if OVERLAPPED in configs and args.device == "cpu":
+        parser.error(f"--configs {OVERLAPPED!r} differs from 'async' only with --device cuda")
     MODEL["vocab_size"], MODEL["seq_length"] = args.vocab_size, args.seq_length
     names = ["no checkpoint"] + [name for name in configs if name != "no checkpoint"]
     if args.from_raw:

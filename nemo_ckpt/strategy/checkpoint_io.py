@@ -49,8 +49,7 @@ class DistCheckpointOptions:
     save_ckpt_format: 'torch_dist' (saving 'zarr' is not supported; zarr checkpoints still load).
     ckpt_async_save: stage to CPU and write in the background; the checkpoint is completed (metadata.json,
         then `finalize_fn`) by `DistCheckpointIO.maybe_finalize`, which the strategy calls every step and at
-        teardown. GPU shards are staged into pinned memory on a side stream (see `DistCheckpointIO`'s
-        `defer_device_copies`).
+        teardown. GPU shards are staged into pinned memory on a side stream.
     ckpt_parallel_save: spread the writing of replicated model shards evenly over the ranks.
     ckpt_parallel_save_within_dp: spread it within the data-parallel group only (set by the strategy with
         `set_data_parallel_group`; the world until then).
@@ -74,6 +73,13 @@ class DistCheckpointOptions:
         per rank (as Megatron-LM's `--use-persistent-ckpt-worker`) writes the saves from the kept CPU copies, which
         then live in shared memory, instead of a thread of the training process: the writer no longer shares the
         training process's GIL (Linux; GPU shards, staged into pinned memory, and other systems use the thread).
+    ckpt_async_overlap_staging: with `ckpt_async_save`, a save of GPU shards returns before training's CUDA stream
+        waits for their copies into host memory, so the copies overlap the next forward and backward; the owner
+        calls `DistCheckpointIO.order_after_staging()` before anything changes a saved tensor (`MegatronStrategy`
+        does before the optimizer's update, and at the save where the model has GPU buffers, which forward may
+        change). Code that changes weights in place outside the optimizer between a save and the next update (an
+        EMA swap for validation) must call it first, or the checkpoint may hold changed values. False (default):
+        the stream waits for the copies at the save, and nothing else is needed.
     """
 
     save_ckpt_format: str = "torch_dist"
@@ -90,6 +96,7 @@ class DistCheckpointOptions:
     ckpt_async_save_failure: str = "raise"
     ckpt_verify_on_load: bool = False
     ckpt_async_writer_process: bool = False
+    ckpt_async_overlap_staging: bool = False
 
     def __post_init__(self) -> None:
         if self.save_ckpt_format != "torch_dist":
@@ -135,17 +142,10 @@ MEGATRON_CHECKPOINT_IO_ARGUMENTS = {
 @strict_options(MEGATRON_CHECKPOINT_IO_ARGUMENTS)
 class DistCheckpointIO(CheckpointIO):
     """Saves a sharded checkpoint dict on every rank into `<path>/weights`, loads it back into a template,
-    as `options` (a `DistCheckpointOptions`) say.
+    as `options` (a `DistCheckpointOptions`) say."""
 
-    `defer_device_copies`: a save of GPU tensors returns before the current CUDA stream is ordered after their copies
-    into host memory, so the copies overlap the work queued next (forward and backward); the owner calls
-    `order_after_staging()` before anything changes a saved tensor (`MegatronStrategy` does, before the optimizer's
-    update). Loads order themselves.
-    """
-
-    def __init__(self, options: DistCheckpointOptions | None = None, defer_device_copies: bool = False) -> None:
+    def __init__(self, options: DistCheckpointOptions | None = None) -> None:
         self.options = options or DistCheckpointOptions()
-        self.defer_device_copies = defer_device_copies
         self.async_calls = self._new_async_queue() if self.options.ckpt_async_save else None
         self._failure_fns: dict[int, Callable[[], None]] = {}
         self.data_parallel_group: ProcessGroup | None = None
@@ -181,7 +181,7 @@ class DistCheckpointIO(CheckpointIO):
             crc32=False,
             reuse_staging_buffers=options.ckpt_assume_constant_structure,
             writer_process=options.ckpt_async_writer_process,
-            defer_device_copies=self.defer_device_copies,
+            defer_device_copies=options.ckpt_async_overlap_staging,
         )
         if options.ckpt_parallel_save and options.ckpt_parallel_save_optim:
             include = None
@@ -233,8 +233,9 @@ class DistCheckpointIO(CheckpointIO):
             self._failure_fns[index] = failure_fn
 
     def order_after_staging(self) -> None:
-        """Order the current CUDA stream after the deferred device-to-host copies of earlier saves (see
-        `defer_device_copies`): kernels queued from now on may change the saved tensors. The host does not block."""
+        """Order the current CUDA stream after the device-to-host copies of earlier saves that it does not wait for
+        yet (`ckpt_async_overlap_staging`): kernels queued from now on may change the saved tensors. The host does
+        not block."""
         order_after_deferred_copies()
 
     def maybe_finalize(self, blocking: bool = False) -> list[int]:

@@ -160,11 +160,10 @@ class MegatronStrategy(DDPStrategy):
     `parallel_devices`, `cluster_environment`, `process_group_backend`, `timeout`: Lightning's DDPStrategy's.
     Any other argument is an error: a misspelt one names the closest option, a NeMo option not implemented here
     says what it means in NeMo (`NEMO_UNSUPPORTED`).
-
-    Saves of GPU state copy it into pinned host memory on a side stream; those copies overlap the next forward and
-    backward, and the optimizer's update (and any load) waits for them on the GPU. Where the model's state dict
-    holds GPU buffers, which forward may change, the save waits for them instead. Code that changes parameters or
-    optimizer state in place elsewhere (e.g. swapping in averaged weights for validation) calls
+    With `ckpt_async_overlap_staging`, an async save's copies of GPU state into pinned host memory overlap the next
+    forward and backward: the optimizer's update (and any load) waits for them on the GPU; where the model's state
+    dict holds GPU buffers, which forward may change, the save waits for them instead. Code that changes parameters
+    or optimizer state in place elsewhere (e.g. swapping in averaged weights for validation) calls
     `trainer.strategy.checkpoint_io.order_after_staging()` first.
     """
 
@@ -188,6 +187,7 @@ class MegatronStrategy(DDPStrategy):
         ckpt_async_save_failure: str = "raise",
         ckpt_verify_on_load: bool = False,
         ckpt_async_writer_process: bool = False,
+        ckpt_async_overlap_staging: bool = False,
         pipeline_model_parallel_size: int = 1,
         virtual_pipeline_model_parallel_size: int | None = None,
         microbatch_group_size_per_vp_stage: int | None = None,
@@ -231,8 +231,8 @@ class MegatronStrategy(DDPStrategy):
                 ckpt_async_save_failure=ckpt_async_save_failure,
                 ckpt_verify_on_load=ckpt_verify_on_load,
                 ckpt_async_writer_process=ckpt_async_writer_process,
-            ),
-            defer_device_copies=True,  # ordered in `optimizer_step`, or right after a save of GPU buffers
+                ckpt_async_overlap_staging=ckpt_async_overlap_staging,
+            )
         )
         super().__init__(
             parallel_devices=parallel_devices,
@@ -660,7 +660,8 @@ class MegatronStrategy(DDPStrategy):
         self, optimizer: Optimizer, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any
     ) -> Any:
         """The optimizer's step, its update ordered after the last save's device-to-host copies, which so overlap
-        the forward and backward that `closure` runs (the optimizer calls it before updating anything)."""
+        the forward and backward that `closure` runs (`ckpt_async_overlap_staging`; the optimizer calls the closure
+        before updating anything)."""
 
         def closure_then_order() -> Any:
             result = closure()
@@ -671,7 +672,8 @@ class MegatronStrategy(DDPStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None) -> None:
         self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        if saves_gpu_buffers(self.lightning_module):  # the next forward may change them
+        overlapped = self.checkpoint_io.options.ckpt_async_overlap_staging
+        if overlapped and saves_gpu_buffers(self.lightning_module):  # the next forward may change them
             self.checkpoint_io.order_after_staging()
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:

@@ -33,7 +33,7 @@ def train_ckpt_bench(monkeypatch):
         (["--reps", "0"], "--reps 0: use 1 or more"),
         (["--ranks", "0"], "--ranks 0: use 1 or more"),
         (["--micro-batch-size", "0"], "--micro-batch-size 0: use 1 or more"),
-        (["--configs", "async, copies before the next step"], "differs from 'async' only with --device cuda"),
+        (["--configs", "async, overlapped staging"], "differs from 'async' only with --device cuda"),
     ],
 )
 def test_bad_options_fail_before_any_run(train_ckpt_bench, monkeypatch, capsys, argv, message):

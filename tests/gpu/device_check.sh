@@ -4,7 +4,7 @@
 # the GPU with `ckpt_load_directly_on_device`), the private-API canaries against that machine's torch,
 # `ckpt_bench.py --device cuda` (ours against DCP, megatron-core, torch.save and the copy into pinned memory) and
 # `train_ckpt_bench.py --device cuda` (what an async checkpoint costs training, with the copies into host memory
-# overlapping the next forward and backward, and waited for at the save).
+# waited for at the save, and overlapping the next forward and backward).
 #
 #   bash tests/gpu/device_check.sh --fetch-wheels   # here, with the index: the missing packages into .whl/
 #   bash tests/gpu/device_check.sh [OUT]            # there, .whl/ carried along: logs into OUT ($OUT, or /tmp)
@@ -37,6 +37,6 @@ timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/dist_checkp
 timeout 240 python3 benchmarks/ckpt_bench.py --device cuda --sizes-gib 1 --ranks 1 --reps 3 --dir /tmp/ckpt_bench \
   --no-write 2>&1 | tee "$out/ckpt_bench.log" || status=1
 timeout 150 python3 benchmarks/train_ckpt_bench.py --device cuda --ranks 1 --every 10 --checkpoints 4 --reps 2 \
-  --seq-length 1024 --micro-batch-size 4 --configs async "async, copies before the next step" --no-write \
+  --seq-length 1024 --micro-batch-size 4 --configs async "async, overlapped staging" --no-write \
   --raw "$out/train_ckpt_bench.json" 2>&1 | tee "$out/train_ckpt_bench.log" || status=1
 exit "$status"

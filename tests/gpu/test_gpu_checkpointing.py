@@ -1,11 +1,12 @@
-"""The tiny GPT trained on a GPU: an async checkpoint, staged into pinned memory on a side stream while training
-goes on, holds the values of its save; resuming with `ckpt_load_directly_on_device` loads it onto the GPU
-bit-identically, and training continues as in the uninterrupted run. Skipped without a GPU (see `device_check.sh`).
+"""The tiny GPT trained on a GPU: an async checkpoint, staged into pinned memory on a side stream that the next
+forward and backward overlap (`ckpt_async_overlap_staging`) while training goes on, holds the values of its save;
+resuming with `ckpt_load_directly_on_device` loads it onto the GPU bit-identically, and training continues as in the
+uninterrupted run. Skipped without a GPU (see `device_check.sh`).
 
 Each save first holds up the staging stream for a while (`hold_up_staging`), so that a copy ordered too late
 against training's next kernels (the optimizer's update; a buffer changed in forward) would find changed values,
 and so that whether training's stream went on before the copies were done (they overlap the next forward and
-backward) or waited for them (a model with GPU buffers) shows at the save."""
+backward) or waited for them (by default, or for a model with GPU buffers) shows at the save."""
 
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 
 MAX_STEPS = 6
 SAVE_AT = 2
-STRATEGY = {"ckpt_async_save": True, "ckpt_assume_constant_structure": True}
+STRATEGY = {"ckpt_async_save": True, "ckpt_assume_constant_structure": True, "ckpt_async_overlap_staging": True}
 
 
 def copies_pending() -> bool:
@@ -143,3 +144,12 @@ def test_buffers_on_the_gpu_count_as_saved_gpu_buffers():
     assert saves_gpu_buffers(torch.nn.BatchNorm1d(4).cuda())
     assert not saves_gpu_buffers(torch.nn.BatchNorm1d(4))
     assert not saves_gpu_buffers(torch.nn.Linear(4, 4).cuda())
+
+
+def test_by_default_training_waits_for_the_copies_at_the_save(tmp_path):
+    saver = SaveAndSnapshot(SAVE_AT, tmp_path / "step")
+    fit(1, {}, SAVE_AT + 1, accelerator="gpu", callbacks=[saver], **{**STRATEGY, "ckpt_async_overlap_staging": False})
+    stored = dist_checkpointing.load_plain_tensors(tmp_path / "step" / "weights")
+    assert saver.copies_pending_after_save is False
+    for key, value in saver.snapshot.items():
+        assert torch.equal(stored[key], value), key

@@ -1,7 +1,7 @@
-"""Where MegatronStrategy orders training's CUDA stream after a save's device-to-host copies (deferred by its
-DistCheckpointIO, see `DeviceToHostCopies`): after the next forward and backward, before the optimizer's update;
-before a load writes into the live tensors. Recorded here on CPU, where the ordering is a no-op; the GPU tests
-(tests/gpu) check the saved values themselves while training goes on."""
+"""Where MegatronStrategy orders training's CUDA stream after an async save's device-to-host copies, which with
+`ckpt_async_overlap_staging` it does not wait for at the save (see `DeviceToHostCopies`): after the next forward and
+backward, before the optimizer's update; before a load writes into the live tensors. Recorded here on CPU, where the
+ordering is a no-op; the GPU tests (tests/gpu) check the saved values themselves while training goes on."""
 
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,7 @@ from nemo_ckpt.strategy.checkpoint_io import DistCheckpointIO
 from tests.helpers.trainer import fit
 
 SAVE_AT = 2
+OVERLAPPED = {"ckpt_async_save": True, "ckpt_async_overlap_staging": True}
 
 
 class RecordEvents(pl.Callback):
@@ -56,14 +57,14 @@ def events(monkeypatch) -> list[str]:
 
 
 def test_the_update_after_a_save_is_ordered_after_its_copies_and_forward_is_not(tmp_path, events):
-    fit(1, {}, 4, callbacks=[RecordEvents(events, SAVE_AT, tmp_path / "step")], ckpt_async_save=True)
+    fit(1, {}, 4, callbacks=[RecordEvents(events, SAVE_AT, tmp_path / "step")], **OVERLAPPED)
     after_save = events[events.index("save") + 1 :]
     assert after_save[:3] == ["forward", "order", "update"]
     assert all(events[i - 1] == "order" for i, event in enumerate(events) if event == "update")
 
 
 def test_a_resume_orders_before_it_loads(tmp_path, events):
-    fit(1, {}, SAVE_AT, callbacks=[RecordEvents([], SAVE_AT, tmp_path / "step")], ckpt_async_save=True)
+    fit(1, {}, SAVE_AT, callbacks=[RecordEvents([], SAVE_AT, tmp_path / "step")], **OVERLAPPED)
     events.clear()
-    fit(1, {}, SAVE_AT + 1, ckpt_path=tmp_path / "step", ckpt_async_save=True)
+    fit(1, {}, SAVE_AT + 1, ckpt_path=tmp_path / "step", **OVERLAPPED)
     assert events.index("order") < events.index("load")
