@@ -61,7 +61,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import disk_ceiling  # noqa: E402
-from results import MEGATRON_CORE_INSTALL, check_dependencies, settled, write_section  # noqa: E402
+from results import (  # noqa: E402
+    MEGATRON_CORE_INSTALL,
+    check_dependencies,
+    gpu_ranks_error,
+    settled,
+    write_section,
+)
 
 from nemo_ckpt import dist_checkpointing as dc  # noqa: E402
 from nemo_ckpt.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: E402
@@ -656,11 +662,8 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the state lives")
     args = parser.parse_args()
-    if args.device == "cuda" and max(args.ranks) > torch.cuda.device_count():
-        parser.error(
-            f"--device cuda --ranks {' '.join(map(str, args.ranks))}: one GPU per rank, and this machine has "
-            f"{torch.cuda.device_count()}; use --ranks up to that, or --device cpu"
-        )
+    if error := gpu_ranks_error(args.ranks, args.device):
+        parser.error(error)
     for option in ("ranks", "reps"):
         if min(getattr(args, option)) < 1:
             parser.error(f"--{option} {' '.join(map(str, getattr(args, option)))}: use 1 or more")

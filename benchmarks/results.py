@@ -76,6 +76,19 @@ def join_process_group(rank: int, world: int, port: int, threads: int = 1, backe
     dist.init_process_group(backend, rank=rank, world_size=world)
 
 
+def gpu_ranks_error(ranks: list[int], device: str) -> str | None:
+    """The command-line error for `--device cuda` with more ranks than this machine has GPUs (one per rank), or
+    None."""
+    import torch
+
+    if device != "cuda" or max(ranks) <= torch.cuda.device_count():
+        return None
+    return (
+        f"--device cuda --ranks {' '.join(map(str, ranks))}: one GPU per rank, and this machine has "
+        f"{torch.cuda.device_count()}; use --ranks up to that, or --device cpu"
+    )
+
+
 def measurement_trainer(devices: int, strategy: Any, max_steps: int, callbacks: list, accelerator: str = "cpu") -> Any:
     """A Lightning Trainer that only trains: no logger, checkpoints, progress bar, summary or validation."""
     import lightning.pytorch as pl

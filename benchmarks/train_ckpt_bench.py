@@ -54,7 +54,14 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from results import check_dependencies, join_process_group, measurement_trainer, settled, write_section
+from results import (
+    check_dependencies,
+    gpu_ranks_error,
+    join_process_group,
+    measurement_trainer,
+    settled,
+    write_section,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -460,8 +467,8 @@ def main() -> None:
     for option in ("checkpoints", "reps", "ranks", "seq_length", "micro_batch_size"):
         if getattr(args, option) < 1:
             parser.error(f"--{option.replace('_', '-')} {getattr(args, option)}: use 1 or more")
-    if args.device == "cuda" and not args.from_raw and torch.cuda.device_count() < args.ranks:
-        parser.error(f"--ranks {args.ranks} with --device cuda: this machine has {torch.cuda.device_count()} GPUs")
+    if not args.from_raw and (error := gpu_ranks_error([args.ranks], args.device)):
+        parser.error(error)
     configs = args.configs or [name for name in CONFIGS if name != OVERLAPPED or args.device == "cuda"]
     if OVERLAPPED in configs and args.device == "cpu":
         parser.error(f"--configs {OVERLAPPED!r} differs from 'async' only with --device cuda")

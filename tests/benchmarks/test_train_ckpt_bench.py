@@ -82,7 +82,7 @@ def test_more_ranks_than_gpus_fail_before_any_run(train_ckpt_bench, monkeypatch,
     monkeypatch.setattr(sys, "argv", ["train_ckpt_bench.py", "--no-write", "--device", "cuda", "--ranks", str(ranks)])
     with pytest.raises(SystemExit):
         train_ckpt_bench.main()
-    assert f"--ranks {ranks} with --device cuda" in capsys.readouterr().err
+    assert f"--device cuda --ranks {ranks}: one GPU per rank" in capsys.readouterr().err
 
 
 def test_report_of_a_gpu_run_names_its_device_and_shape(train_ckpt_bench):
