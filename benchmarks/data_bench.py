@@ -242,7 +242,7 @@ class ConstantSamples(torch.utils.data.Dataset):
 
 def loader_rate(dataset: torch.utils.data.Dataset, workers: int, per_fetch: int = 1, batches: int = 1000) -> float:
     """Samples/s of micro-batches of 4 from `PreTrainingDataModule`'s loader (`micro_batches_per_fetch`)."""
-    from nemo_ckpt.data.pretraining import collate_training_batch
+    from nemo_ckpt.data.pretraining import TrainingBatchCollator
     from nemo_ckpt.data.sampler import PretrainingSampler, ResumableDataLoader
 
     loader = ResumableDataLoader(
@@ -251,7 +251,7 @@ def loader_rate(dataset: torch.utils.data.Dataset, workers: int, per_fetch: int 
         consumed_samples=lambda: 0,
         micro_batches_per_fetch=per_fetch,
         num_workers=workers,
-        collate_fn=collate_training_batch,
+        collate_fn=TrainingBatchCollator(1024),
         persistent_workers=workers > 0,
     )
     iterator = iter(loader)
@@ -263,7 +263,7 @@ def loader_rate(dataset: torch.utils.data.Dataset, workers: int, per_fetch: int 
 
 
 def bench_loading(directory: Path) -> list[str]:
-    from nemo_ckpt.data.pretraining import collate_training_batch
+    from nemo_ckpt.data.pretraining import TrainingBatchCollator
     from nemo_ckpt.models import GPTModel, gpt_config
     from nemo_ckpt.optim import OptimizerConfig
 
@@ -274,7 +274,7 @@ def bench_loading(directory: Path) -> list[str]:
     model = GPTModel(gpt_config("tiny", vocab_size=1024), OptimizerConfig(lr=1e-3))
     model.configure_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batch = next(iter(torch.utils.data.DataLoader(dataset, batch_size=4, collate_fn=collate_training_batch)))
+    batch = next(iter(torch.utils.data.DataLoader(dataset, batch_size=4, collate_fn=TrainingBatchCollator(1024))))
     for _ in range(3):
         model.loss(batch).backward()
     start = time.perf_counter()

@@ -113,6 +113,10 @@ class IndexedDataset:
             length = sequence_length - offset
         return self._read(int(self.sequence_pointers[index]) + offset * self._itemsize, int(length))
 
+    def head(self, count: int) -> np.ndarray:
+        """The first `count` tokens of the data file (fewer if it holds fewer)."""
+        return self._read(0, min(count, len(self._bin) // self._itemsize))
+
     def _read(self, byte_offset: int, count: int) -> np.ndarray:
         return np.frombuffer(self._bin, dtype=self.dtype, count=count, offset=byte_offset)
 

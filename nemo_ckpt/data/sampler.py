@@ -116,19 +116,6 @@ def data_parallel_rank_and_size(trainer: pl.Trainer) -> tuple[int, int]:
     return mesh.get_local_rank(), mesh.size()
 
 
-def set_gradient_accumulation(trainer: pl.Trainer, micro_batch_size: int, global_batch_size: int, owner: str) -> None:
-    """Make the trainer accumulate `global_batch_size / (micro_batch_size * data-parallel size)` micro-batches per
-    optimizer step; a clear error naming `owner` if the global batch does not split evenly."""
-    _, data_parallel_size = data_parallel_rank_and_size(trainer)
-    per_step = micro_batch_size * data_parallel_size
-    if global_batch_size % per_step:
-        raise ValueError(
-            f"{owner}: global_batch_size={global_batch_size} must be a multiple of "
-            f"micro_batch_size * data-parallel size = {micro_batch_size} * {data_parallel_size}"
-        )
-    trainer.accumulate_grad_batches = global_batch_size // per_step
-
-
 def rank_sampler(
     trainer: pl.Trainer, dataset_size: int, consumed_samples: int, micro_batch_size: int
 ) -> PretrainingSampler:

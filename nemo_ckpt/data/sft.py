@@ -25,11 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from nemo_ckpt.data.sampler import ResumableDataLoader, rank_sampler, set_gradient_accumulation
+from nemo_ckpt.data.base import SampledDataModule
 from nemo_ckpt.data.tokenizer import Tokenizer, get_tokenizer
 from nemo_ckpt.options import strict_options
 
@@ -232,7 +231,7 @@ class SFTDataset(Dataset):
         }
 
 
-class FineTuningDataModule(pl.LightningDataModule):
+class FineTuningDataModule(SampledDataModule):
     """SFT data from `dataset_root` (`training.jsonl`, optional `validation.jsonl`), tokenized with `tokenizer`
     (a local Hugging Face tokenizer directory such as an imported checkpoint's `context/hf`, a SentencePiece
     `.model` or `byte-level`); None: the one stored with the checkpoint `finetune` restores
@@ -248,7 +247,7 @@ class FineTuningDataModule(pl.LightningDataModule):
         tokenizer: str | None = None,
         seq_length: int = 2048,
         micro_batch_size: int = 4,
-        global_batch_size: int = 8,
+        global_batch_size: int | None = 8,
         prompt_template: str = "{input}\n",
         message_template: str = "{role}: {content}\n",
         num_val_samples: int | None = None,
@@ -256,18 +255,16 @@ class FineTuningDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         packed_sequence_specs: PackedSequenceSpecs | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(micro_batch_size, global_batch_size, num_workers)
         self.dataset_root = Path(dataset_root)
         self.tokenizer_path = tokenizer
         self.seq_length = seq_length
-        self.micro_batch_size = micro_batch_size
-        self.global_batch_size = global_batch_size
         self.prompt_template = prompt_template
         self.message_template = message_template
         self.num_val_samples = num_val_samples
         self.seed = seed
-        self.num_workers = num_workers
         self.packed_sequence_specs = packed_sequence_specs
+        self._tokenizer: tuple[str, Tokenizer] | None = None
         if packed_sequence_specs is not None and not isinstance(packed_sequence_specs, PackedSequenceSpecs):
             raise TypeError(
                 f"FineTuningDataModule(packed_sequence_specs={packed_sequence_specs!r}): pass a PackedSequenceSpecs "
@@ -309,33 +306,38 @@ class FineTuningDataModule(pl.LightningDataModule):
                     f"use {name}=1, or packed_sequence_specs=None"
                 )
 
-    def setup(self, stage: str = "") -> None:
-        if self.packed_sequence_specs is not None:
-            self._check_packing_parallelism()
-        set_gradient_accumulation(self.trainer, self.micro_batch_size, self.global_batch_size, "FineTuningDataModule")
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer `tokenizer_path` names (loaded once per path: `RestoreConfig` may replace the path)."""
         if self.tokenizer_path is None:
             raise ValueError(
                 "FineTuningDataModule(tokenizer=None): name a tokenizer, or fine-tune with "
                 "RestoreConfig(load_artifacts=True) from a checkpoint that stores one (an imported Hugging Face model)"
             )
-        self.tokenizer = get_tokenizer(self.tokenizer_path)
-        num_train = max(1, self.trainer.max_steps) * self.global_batch_size
-        self.train_set = self._dataset(self.dataset_root / TRAINING_FILE, num_train, self.seed)
+        path = str(self.tokenizer_path)
+        if self._tokenizer is None or self._tokenizer[0] != path:
+            self._tokenizer = (path, get_tokenizer(path))
+        return self._tokenizer[1]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def vocab_source(self) -> str:
+        return f"FineTuningDataModule(tokenizer={str(self.tokenizer_path)!r})"
+
+    def setup(self, stage: str = "") -> None:
+        if self.packed_sequence_specs is not None:
+            self._check_packing_parallelism()
+        super().setup(stage)
+        self.train_set = self._dataset(self.dataset_root / TRAINING_FILE, self.train_samples(), self.seed)
         validation = self.dataset_root / VALIDATION_FILE
         self.val_set = self._dataset(validation, self.num_val_samples, self.seed + 1) if validation.is_file() else None
 
-    def _loader(self, dataset: Dataset, consumed_samples: int) -> DataLoader:
-        sampler = rank_sampler(self.trainer, len(dataset), consumed_samples, self.micro_batch_size)
-        return DataLoader(dataset, batch_sampler=sampler, num_workers=self.num_workers)
-
-    def _consumed_samples(self) -> int:
-        return self.trainer.global_step * self.global_batch_size
-
     def train_dataloader(self) -> DataLoader:
-        sampler = rank_sampler(self.trainer, len(self.train_set), self._consumed_samples(), self.micro_batch_size)
-        return ResumableDataLoader(
-            self.train_set, batch_sampler=sampler, num_workers=self.num_workers, consumed_samples=self._consumed_samples
-        )
+        self.train_set.num_samples = max(len(self.train_set), self.train_samples())  # a resumed run's last steps
+        return self.train_loader(self.train_set)
 
     def val_dataloader(self) -> DataLoader | list:
-        return [] if self.val_set is None else self._loader(self.val_set, 0)
+        return [] if self.val_set is None else self.eval_loader(self.val_set)

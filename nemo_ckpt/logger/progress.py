@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import torch
 from tqdm import tqdm
 
+from nemo_ckpt.data.base import SampledDataModule
 from nemo_ckpt.logger.metrics import StepMetrics
 
 PROGRESS_LOGGER = "nemo_ckpt.progress"
@@ -133,8 +134,11 @@ class ProgressPrinter(pl.Callback):
         return " | ".join(fields)
 
     def _consumed_samples(self, trainer: pl.Trainer) -> int | None:
-        """Samples trained on so far, `global_step * global_batch_size` (the data module's, else the last step's)."""
-        global_batch_size = getattr(trainer.datamodule, "global_batch_size", None)
-        if global_batch_size is None and self.step_metrics.last is not None:
-            global_batch_size = self.step_metrics.last.samples
-        return None if global_batch_size is None else trainer.global_step * global_batch_size
+        """Samples trained on so far: the data module's count (the one its checkpoints store and its sampler starts
+        after), else `global_step` x the last step's samples."""
+        datamodule = trainer.datamodule
+        if isinstance(datamodule, SampledDataModule):
+            return datamodule.consumed_samples()
+        if self.step_metrics.last is None:
+            return None
+        return trainer.global_step * self.step_metrics.last.samples

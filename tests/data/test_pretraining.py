@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_ckpt.data.pretraining import PreTrainingDataModule, ResumableDataLoader
+from nemo_ckpt.data.pretraining import PreTrainingDataModule
+from nemo_ckpt.data.sampler import ResumableDataLoader
 from nemo_ckpt.data.tokenizer import ByteLevelTokenizer
 from nemo_ckpt.models import GPTModel, gpt_config
 from tests.data.test_gpt_dataset import make_dataset
@@ -18,8 +19,14 @@ def prefixes(tmp_path):
     return [str(make_dataset(tmp_path / name, seed=seed).path_prefix) for seed, name in enumerate("ab")]
 
 
+class DocumentIds(ByteLevelTokenizer):
+    """The ids of `make_dataset`'s documents (1000 + document index) are among its tokens."""
+
+    vocab_size = 1100
+
+
 def module(paths, **overrides) -> PreTrainingDataModule:
-    options = {"seq_length": 8, "tokenizer": "byte-level", "micro_batch_size": 2, "global_batch_size": 2}
+    options = {"seq_length": 8, "tokenizer": DocumentIds(), "micro_batch_size": 2, "global_batch_size": 2}
     return PreTrainingDataModule(paths, **{**options, "num_workers": 0, "split": "90,10,0", **overrides})
 
 
@@ -60,7 +67,7 @@ def test_resumes_after_consumed_samples(prefixes):
     resumed.setup("fit")
     loader = resumed.train_dataloader()
     assert isinstance(loader, ResumableDataLoader)
-    assert loader.state_dict() == {"consumed_samples": 6} == resumed.state_dict()
+    assert loader.state_dict() == {"consumed_samples": 6} == {"consumed_samples": resumed.consumed_samples()}
     assert torch.equal(next(iter(loader))["tokens"], reference[3])
     loader.load_state_dict({"consumed_samples": 8})  # what Lightning restores from the fit loop's loader state
     assert torch.equal(next(iter(loader))["tokens"], reference[4])
@@ -123,6 +130,17 @@ def test_bad_configuration_is_refused_before_training(prefixes, tmp_path):
         module({"training": prefixes[0]})
     with pytest.raises(FileNotFoundError, match="does not exist: pass a local directory"):
         module(prefixes[0], tokenizer=str(tmp_path / "no-tokenizer"))
+
+
+def test_ids_beyond_the_tokenizer_are_refused_up_front_and_in_every_batch(prefixes):
+    with pytest.raises(ValueError, match=r"/a holds token id 10\d\d, but the tokenizer has 257 tokens"):
+        module(prefixes[0], tokenizer="byte-level")
+    data = module(prefixes[0])
+    attach(data)
+    data.setup("fit")
+    data.tokenizer = ByteLevelTokenizer()  # past the up-front check, which reads the first MiB of tokens only
+    with pytest.raises(ValueError, match=r"the data holds token id 10\d\d, but its tokenizer has 257 tokens"):
+        next(iter(data.train_dataloader()))
 
 
 def test_vocabulary_larger_than_the_token_dtype_is_refused(tmp_path):
