@@ -11,7 +11,9 @@ from nemo_ckpt.checkpoint import context
 from nemo_ckpt.checkpoint.resume import AutoResume, RestoreCallback, RestoreConfig, restore_artifacts
 from nemo_ckpt.checkpoint.rng import RNGStateCallback
 from nemo_ckpt.conversion import export_ckpt, import_ckpt
+from nemo_ckpt.data.base import SampledDataModule
 from nemo_ckpt.logger import NeMoLogger
+from nemo_ckpt.models.gpt.lightning import GPTModel
 from nemo_ckpt.optim import OptimizerConfig
 
 
@@ -37,17 +39,48 @@ def pretrain(
     resume = resume or AutoResume()
     if not any(isinstance(callback, RNGStateCallback) for callback in trainer.callbacks):
         trainer.callbacks.append(RNGStateCallback())
-    ckpt_path = resume.find_checkpoint(log.checkpoint_dir)
+    model, ckpt_path = resolve_start(model, data, log, resume, getattr(trainer.strategy, "ckpt_load_optimizer", True))
     if isinstance(resume.restore_config, RestoreConfig):  # start from its weights unless this run resumes
         trainer.callbacks.append(RestoreCallback(resume.restore_config, resuming=ckpt_path is not None))
-        restore_artifacts(resume.restore_config, data)
-    model = resume.restore_model(ckpt_path, model)
     if optim is not None:
         context.set_init_arg(model, "optim", optim)
     run_config = {"model": model, "data": data, "trainer": trainer, "log": log, "resume": resume, "seed": seed}
     log.setup(trainer, task_config=run_config)
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     return log.checkpoint_dir
+
+
+def resolve_start(
+    model: pl.LightningModule,
+    data: pl.LightningDataModule,
+    log: NeMoLogger,
+    resume: AutoResume,
+    load_optimizer: bool = True,
+) -> tuple[pl.LightningModule, Path | None]:
+    """What a run starts from, decided before any process group exists (so `nemo_ckpt.preflight` can check it
+    before launching): the checkpoint it resumes (`AutoResume.find_checkpoint`, with the strategy's
+    `ckpt_load_optimizer`); the data tokenizing with a `RestoreConfig` checkpoint's tokenizer
+    (`restore_artifacts`); the model, rebuilt from the resumed checkpoint with `restore_config=True`, with the
+    vocabulary of the data's tokenizer (`GPTConfig.vocab_size=None`, padded up to `make_vocab_size_divisible_by`;
+    a set size smaller than the tokenizer's is a `VocabularyError`)."""
+    ckpt_path = resume.find_checkpoint(log.checkpoint_dir, load_optimizer, writes_checkpoints=log.ckpt is not None)
+    if isinstance(resume.restore_config, RestoreConfig):
+        restore_artifacts(resume.restore_config, data)
+    model = resume.restore_model(ckpt_path, model)
+    if isinstance(model, GPTModel) and isinstance(data, SampledDataModule):
+        model.use_vocabulary(data.vocab_size, data.vocab_source)
+    return model, ckpt_path
+
+
+def restore_config_of(resume: AutoResume) -> RestoreConfig:
+    """The `RestoreConfig` fine-tuning starts from, checked to name a complete checkpoint."""
+    if not isinstance(resume.restore_config, RestoreConfig):
+        raise ValueError(
+            "finetune needs the weights to start from: pass resume=AutoResume(restore_config=RestoreConfig("
+            "path=<checkpoint or imported model>)) (import a Hugging Face model with nemo_ckpt.api.import_ckpt)"
+        )
+    resume.restore_config.check()
+    return resume.restore_config
 
 
 def finetune(
@@ -68,12 +101,7 @@ def finetune(
     """
     log = log or NeMoLogger()
     resume = resume or AutoResume()
-    if not isinstance(resume.restore_config, RestoreConfig):
-        raise ValueError(
-            "finetune needs the weights to start from: pass resume=AutoResume(restore_config=RestoreConfig("
-            "path=<checkpoint or imported model>)) (import a Hugging Face model with nemo_ckpt.api.import_ckpt)"
-        )
-    restore_path = resume.restore_config.check()
+    restore_path = restore_config_of(resume).check()
     if peft is not None:
         if getattr(peft, "base_checkpoint", "") is None:
             peft = dataclasses.replace(peft, base_checkpoint=str(restore_path.resolve()))

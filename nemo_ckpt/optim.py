@@ -1,11 +1,15 @@
 """Optimizer and learning-rate schedule, configured with Megatron-Core's `OptimizerConfig` names."""
 
+import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,9 +59,31 @@ class OptimizerConfig:
         min_factor = self.min_lr / self.lr
         return min_factor + (1.0 - min_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    def build_scheduler(self, optimizer: torch.optim.Optimizer, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    def build_scheduler(self, optimizer: torch.optim.Optimizer, max_steps: int) -> "LRSchedule":
         decay_steps = self.lr_decay_steps or max_steps
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: self.lr_factor(step, decay_steps))
+        return LRSchedule(optimizer, lambda step: self.lr_factor(step, decay_steps))
+
+
+class LRSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """A `LambdaLR` whose loaded state sets only the step it is at: the learning rate is then this schedule's at that
+    step, from the run's own config, which may differ from the checkpoint's (a run extended to more steps decays
+    over its new `max_steps`; a changed `lr` applies). The first step after a resume trains with it."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        base_lrs = list(self.base_lrs)
+        stored = list(state_dict.get("_last_lr") or [])
+        super().load_state_dict(state_dict)
+        self.base_lrs = base_lrs
+        self._last_lr = [base * factor(self.last_epoch) for base, factor in zip(base_lrs, self.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+            group["lr"] = lr
+        if stored and any(not math.isclose(new, old) for new, old in zip(self._last_lr, stored)):
+            log.info(
+                "LR schedule: step %d trains with lr %.4g, this run's schedule (its checkpoint's run had %.4g)",
+                self.last_epoch,
+                self._last_lr[0],
+                stored[0],
+            )
 
 
 def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -1,16 +1,23 @@
 """Checks of a `pretrain` / `finetune` task that need no processes, run before anything is launched.
 
-`check_task(task)` builds the parts of a recipe that are cheap to build (the data module, with its tokenizer and
-datasets, and the model's config) and checks what would otherwise fail minutes later on every rank: unknown
-options, missing paths, a resume or restore path that is not a complete checkpoint. The `nemo` command line runs it
-before it starts torchrun or submits a job; `pretrain` and `finetune` run it again in each process.
+`check_task(task)` builds the parts of a recipe that are cheap to build (data module with its tokenizer and
+datasets, model, logger, resume settings; not the Trainer) and decides what the run would start from exactly as
+`pretrain` does (`nemo_ckpt.api.resolve_start`): so unknown options, missing paths, a bad tokenizer, a resume or
+restore path that is not a complete checkpoint, a checkpoint directory it cannot resume, and a model vocabulary
+smaller than the tokenizer's fail here, named, instead of minutes later on every rank. The `nemo` command line runs
+it before it starts torchrun or submits a job.
 """
 
 from typing import Any
 
 import fiddle as fdl
 
+from nemo_ckpt.api import finetune, resolve_start, restore_config_of
+from nemo_ckpt.checkpoint.resume import AutoResume
+from nemo_ckpt.logger import NeMoLogger
 from nemo_ckpt.options import check_config_options
+
+USER_ERRORS = (ValueError, TypeError, KeyError, OSError)
 
 
 class PreflightError(ValueError):
@@ -18,21 +25,43 @@ class PreflightError(ValueError):
 
 
 def check_task(task: fdl.Buildable) -> None:
-    """Raise `PreflightError` (or the option errors of `nemo_ckpt.options`) for the first problem of `task`."""
-    check_config_options(task)
-    for name in ("data",):
-        value = _argument(task, name)
-        if isinstance(value, fdl.Buildable):
-            _build(value, name)
+    """Raise `PreflightError` for the first problem of `task` (a `run.Partial` of `pretrain` or `finetune`)."""
+    try:
+        check_config_options(task)
+    except USER_ERRORS as error:
+        raise PreflightError(str(error)) from error
+    model, data = _build(task, "model"), _build(task, "data")
+    log = _build(task, "log") or NeMoLogger()
+    resume = _build(task, "resume") or AutoResume()
+    strategy = _argument(_argument(task, "trainer"), "strategy")
+    load_optimizer = _argument(strategy, "ckpt_load_optimizer", True)
+    try:
+        if fdl.get_callable(task) is finetune:
+            restore_config_of(resume)
+        if model is not None and data is not None:
+            resolve_start(model, data, log, resume, load_optimizer)
+    except USER_ERRORS as error:
+        raise PreflightError(_message(error)) from error
 
 
-def _argument(task: fdl.Buildable, name: str) -> Any:
-    return task.__arguments__.get(name) if isinstance(task, fdl.Buildable) else None
+def _argument(config: Any, name: str, default: Any = None) -> Any:
+    if not isinstance(config, fdl.Buildable):
+        return default
+    return getattr(config, name, default)
 
 
-def _build(config: fdl.Buildable, key: str) -> Any:
+def _build(task: fdl.Buildable, key: str) -> Any:
+    """`task.<key>` built (None if the task does not set it), its errors named by `key`."""
+    config = _argument(task, key)
+    if not isinstance(config, fdl.Buildable):
+        return config
     try:
         return fdl.build(config)
-    except (FileNotFoundError, ValueError, TypeError) as error:
-        message = str(error).split("\n\nFiddle context:", 1)[0]  # Fiddle appends the config path it failed at
-        raise PreflightError(f"{key}: {message}") from error
+    except USER_ERRORS as error:
+        raise PreflightError(f"{key}: {_message(error)}") from error
+
+
+def _message(error: BaseException) -> str:
+    """The error's own message, without the config path Fiddle appends to errors raised while building."""
+    message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+    return str(message).split("\n\nFiddle context:", 1)[0]

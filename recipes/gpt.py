@@ -76,26 +76,30 @@ def pretrain_recipe(
     max_steps: int = 20,
     micro_batch_size: int = 4,
     global_batch_size: int | None = None,
-    data: str = "mock",
+    data: str | None = None,
     data_paths: list | None = None,
     tokenizer: str | None = None,
+    seq_length: int | None = None,
 ) -> run.Partial:
     """Pretrain a GPT of `model_size`, checkpointing every 10 steps and resuming if it can.
 
-    `data="mock"`: synthetic sequences. `data="real"`: Megatron indexed datasets `data_paths` (prefixes, or
-    `[weight, prefix, ...]`) tokenized with `tokenizer`; without `data_paths`, a generated corpus prepared (once)
-    under `<dir>/data/tiny_corpus` with its own BPE tokenizer of the model's vocab size.
+    `data="mock"` (the default without `data_paths`): synthetic sequences. `data="real"` (the default with
+    `data_paths`): Megatron indexed datasets `data_paths` (prefixes, or `[weight, prefix, ...]`) tokenized with
+    `tokenizer`; without `data_paths`, a generated corpus prepared (once) under `<dir>/data/tiny_corpus` with its
+    own BPE tokenizer. The model's vocabulary is the tokenizer's, padded to a multiple of 128
+    (`model.config.vocab_size=None`). `global_batch_size=None`: one micro-batch per data-parallel rank.
+    `seq_length`: of the model and the data (default: the preset's).
     """
-    model = gpt_config(model_size)
-    data_parallel_size = num_nodes * num_gpus_per_node
+    model = gpt_config(model_size, **({} if seq_length is None else {"seq_length": seq_length}))
+    data = data or ("mock" if data_paths is None else "real")
     batch = {
         "seq_length": model.seq_length,
         "micro_batch_size": micro_batch_size,
-        "global_batch_size": global_batch_size or micro_batch_size * data_parallel_size,
+        "global_batch_size": global_batch_size,
     }
     return run.Partial(
         pretrain,
-        model=run.Config(GPTModel, config=run.Config(type(model), **vars(model))),
+        model=run.Config(GPTModel, config=run.Config(type(model), **{**vars(model), "vocab_size": None})),
         data=data_module(data, model.vocab_size, dir or "nemo_experiments", data_paths, tokenizer, **batch),
         trainer=trainer(num_nodes, num_gpus_per_node, max_steps),
         log=run.Config(
@@ -114,8 +118,11 @@ def pretrain_recipe(
 def data_module(
     data: str, vocab_size: int, log_dir: str, data_paths: list | None, tokenizer: str | None, **batch
 ) -> run.Config:
-    """The recipe's data: `MockDataModule` or `PreTrainingDataModule` (see `pretrain_recipe`)."""
+    """The recipe's data: `MockDataModule` (ids below `vocab_size`) or `PreTrainingDataModule` (see
+    `pretrain_recipe`; the generated corpus's tokenizer has `vocab_size` tokens at most)."""
     if data == "mock":
+        if data_paths is not None or tokenizer is not None:
+            raise ValueError("data='mock' generates its sequences: data_paths= and tokenizer= go with data='real'")
         return run.Config(MockDataModule, vocab_size=vocab_size, **batch)
     if data != "real":
         raise ValueError(f"data={data!r}: choose 'mock' or 'real'")
@@ -134,10 +141,28 @@ def data_module(
 
 @run.cli.factory(target=pretrain, name="tiny")
 def tiny(
-    name: str = "tiny", dir: str | None = None, num_nodes: int = 1, num_gpus_per_node: int = 2, data: str = "mock"
+    name: str = "tiny",
+    dir: str | None = None,
+    num_nodes: int = 1,
+    num_gpus_per_node: int = 2,
+    data: str | None = None,
+    data_paths: list | None = None,
+    tokenizer: str | None = None,
+    seq_length: int | None = None,
 ) -> run.Partial:
-    """The 130k-parameter model: trains on 2 CPU processes in seconds (`data=real`: on a generated corpus)."""
-    return pretrain_recipe(name, dir, num_nodes, num_gpus_per_node, model_size="tiny", data=data)
+    """The 130k-parameter model: trains on 2 CPU processes in seconds (`data=real`: on a generated corpus, or on
+    your `data_paths` tokenized with `tokenizer`)."""
+    return pretrain_recipe(
+        name,
+        dir,
+        num_nodes,
+        num_gpus_per_node,
+        model_size="tiny",
+        data=data,
+        data_paths=data_paths,
+        tokenizer=tokenizer,
+        seq_length=seq_length,
+    )
 
 
 @run.cli.factory(target=pretrain, name="small")
@@ -146,13 +171,18 @@ def small(
     dir: str | None = None,
     num_nodes: int = 1,
     num_gpus_per_node: int = 2,
-    data: str = "mock",
+    data: str | None = None,
     pipeline_parallelism: int = 1,
+    data_paths: list | None = None,
+    tokenizer: str | None = None,
+    seq_length: int | None = None,
 ) -> run.Partial:
-    """A 3.7M-parameter model (`data=real`: on a generated corpus). `pipeline_parallelism`: its 4 layers split
-    into that many pipeline stages (1F1B), each step running `pipeline_parallelism` micro-batches of 2."""
+    """A 3.7M-parameter model (`data=real`: on a generated corpus, or on your `data_paths` tokenized with
+    `tokenizer`). `pipeline_parallelism`: its 4 layers split into that many pipeline stages (1F1B), each step
+    running `pipeline_parallelism` micro-batches of 2."""
+    data_options = {"data": data, "data_paths": data_paths, "tokenizer": tokenizer, "seq_length": seq_length}
     if pipeline_parallelism == 1:
-        return pretrain_recipe(name, dir, num_nodes, num_gpus_per_node, model_size="small", data=data)
+        return pretrain_recipe(name, dir, num_nodes, num_gpus_per_node, model_size="small", **data_options)
     data_parallel_size = num_nodes * num_gpus_per_node // pipeline_parallelism
     recipe = pretrain_recipe(
         name,
@@ -162,7 +192,7 @@ def small(
         model_size="small",
         micro_batch_size=2,
         global_batch_size=2 * data_parallel_size * pipeline_parallelism,
-        data=data,
+        **data_options,
     )
     recipe.trainer.strategy.pipeline_model_parallel_size = pipeline_parallelism
     return recipe
@@ -214,11 +244,16 @@ def small_long_context(
     attention, Megatron's load-balanced chunks); one sequence per data-parallel rank and step."""
     data_parallel_size = num_nodes * num_gpus_per_node // context_parallel_size
     recipe = pretrain_recipe(
-        name, dir, num_nodes, num_gpus_per_node, model_size="small", global_batch_size=data_parallel_size, data=data
+        name,
+        dir,
+        num_nodes,
+        num_gpus_per_node,
+        model_size="small",
+        micro_batch_size=1,
+        global_batch_size=data_parallel_size,
+        data=data,
+        seq_length=seq_length,
     )
-    recipe.model.config.seq_length = seq_length
-    recipe.data.seq_length = seq_length
-    recipe.data.micro_batch_size = 1
     recipe.trainer.strategy.context_parallel_size = context_parallel_size
     return recipe
 

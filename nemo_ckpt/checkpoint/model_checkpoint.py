@@ -88,7 +88,9 @@ class ModelCheckpoint(Callback):
     Kept: the `save_top_k` best by `monitor` (`mode` "min" or "max"; `-1`: all; no monitor: the newest), the best
     one whatever `save_top_k` (`save_best_model`), and with `save_last` the newest one, linked as `<name>-last`
     (a symlink, never a second copy) together with the newest one that can resume training.
-    The checkpoint written at the end of training holds no optimizer state unless `save_optim_on_train_end`.
+    The checkpoint written at the end of training holds the optimizer state too (`save_optim_on_train_end`, default
+    True where NeMo's is False), so that a finished run extended to more steps resumes from its last checkpoint; with
+    False it holds the weights only, which `AutoResume` resumes only with `ckpt_load_optimizer=False`.
     `filename` is a `str.format` template over `step` (required), `epoch` and the logged metrics (`/` read as
     `_`); `step` is the number of optimizer steps taken, the step a run resumed from it continues at.
     """
@@ -104,7 +106,7 @@ class ModelCheckpoint(Callback):
         every_n_train_steps: int | None = None,
         train_time_interval: timedelta | None = None,
         save_on_train_epoch_end: bool = False,
-        save_optim_on_train_end: bool = False,
+        save_optim_on_train_end: bool = True,
         filename: str | None = None,
     ) -> None:
         if mode not in ("min", "max"):

@@ -48,8 +48,16 @@ class AutoResume:
     restore_config: "bool | RestoreConfig" = False
     restore_config_trust_code: bool = False
 
-    def find_checkpoint(self, checkpoint_dir: str | Path | None) -> Path | None:
-        """The checkpoint to resume from, or None to start from scratch."""
+    def find_checkpoint(
+        self, checkpoint_dir: str | Path | None, load_optimizer: bool = True, writes_checkpoints: bool = False
+    ) -> Path | None:
+        """The checkpoint to resume from, or None to start from scratch.
+
+        `load_optimizer=False` (`MegatronStrategy(ckpt_load_optimizer=False)`): checkpoints without optimizer state
+        resume too (their weights, with a fresh optimizer). `writes_checkpoints`: the run saves into
+        `checkpoint_dir`, so starting from scratch there is refused while it holds another run's checkpoints (its
+        saves would mix with them), before any process starts.
+        """
         if self.resume_from_path:
             path = Path(self.resume_from_path)
             if not is_complete(path):
@@ -58,17 +66,28 @@ class AutoResume:
                     f"{completion_marker(path)} is missing"
                 )
             return path
+        directory = (
+            Path(self.resume_from_directory or checkpoint_dir) if self.resume_from_directory or checkpoint_dir else None
+        )
         if not self.resume_if_exists:
+            if writes_checkpoints and directory is not None:
+                _refuse_earlier_run(directory, "AutoResume(resume_if_exists=False)", "set resume.resume_if_exists=True")
             return None
-        if self.resume_from_directory is None and checkpoint_dir is None:
+        if directory is None:
             raise ValueError(
                 "AutoResume(resume_if_exists=True) needs resume_from_directory or the run's checkpoint directory"
             )
-        directory = Path(self.resume_from_directory or checkpoint_dir)
-        checkpoint = newest_resumable(directory)
+        checkpoint = newest_resumable(directory, load_optimizer)
         if checkpoint is not None:
             log.info("AutoResume: resuming from %s", checkpoint)
             return checkpoint
+        if writes_checkpoints or not self.resume_ignore_no_checkpoint:
+            _refuse_earlier_run(
+                directory,
+                "AutoResume(resume_if_exists=True) found none it can resume",
+                "set trainer.strategy.ckpt_load_optimizer=False to continue from the newest one's weights with a fresh "
+                "optimizer",
+            )
         if self.resume_ignore_no_checkpoint:
             log.info("AutoResume: no checkpoint to resume from in %s; starting from scratch", directory)
             return None
@@ -98,8 +117,9 @@ class AutoResume:
         return fdl.build(config)
 
 
-def newest_resumable(directory: Path) -> Path | None:
-    """The newest complete checkpoint in `directory` that holds optimizer state, from its manifest."""
+def newest_resumable(directory: Path, load_optimizer: bool = True) -> Path | None:
+    """The newest complete checkpoint in `directory` that a run can resume (from its manifest): with
+    `load_optimizer`, only those holding optimizer state; the ones skipped are named at WARNING with the reason."""
     for record in reversed(Manifest.read(directory).checkpoints):
         path = directory / record.name
         if record.state == "deleting":
@@ -110,11 +130,28 @@ def newest_resumable(directory: Path) -> Path | None:
                 path,
                 "its save did not finish" if record.state == "saving" else "it is missing or incomplete",
             )
-        elif record.weights_only:
-            log.info("AutoResume: skipping %s: it holds no optimizer state (save_optim_on_train_end=False)", path)
+        elif record.weights_only and load_optimizer:
+            log.warning(
+                "AutoResume: skipping %s: it holds no optimizer state (saved at the end of training with "
+                "ModelCheckpoint(save_optim_on_train_end=False)); trainer.strategy.ckpt_load_optimizer=False resumes "
+                "its weights with a fresh optimizer",
+                path,
+            )
         else:
             return path
     return None
+
+
+def _refuse_earlier_run(directory: Path, situation: str, fix: str) -> None:
+    """Raise if `directory` holds complete checkpoints of an earlier run, which a run starting from scratch there
+    would mix its own checkpoints with (and whose top-k would delete them)."""
+    complete = Manifest.read(directory).complete() if directory.is_dir() else []
+    if complete:
+        kinds = "without optimizer state" if all(record.weights_only for record in complete) else "of an earlier run"
+        raise FileExistsError(
+            f"{directory} holds {len(complete)} checkpoints {kinds} (newest: {complete[-1].name}) and {situation}: "
+            f"{fix}; or choose another log directory or name (log.log_dir, log.name), or remove them"
+        )
 
 
 @dataclass

@@ -40,6 +40,23 @@ def _is_optimizer_shard(sh: ShardedBase) -> bool:
     return sh.key.startswith(OPTIMIZER_KEY_PREFIX)
 
 
+class MissingOptimizerStateError(KeyError):
+    """Resuming a checkpoint's optimizer state from a checkpoint saved without it."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def require_optimizer_state(path: str | Path) -> None:
+    """Raise `MissingOptimizerStateError` if checkpoint `path` holds no optimizer state (weights only)."""
+    if "optimizer_states" not in dist_checkpointing.load_common_state_dict(weights_dir(path)):
+        raise MissingOptimizerStateError(
+            f"{path} holds no optimizer state (a weights-only checkpoint, e.g. saved at the end of training with "
+            "ModelCheckpoint(save_optim_on_train_end=False)): set trainer.strategy.ckpt_load_optimizer=False to resume "
+            "its weights with a fresh optimizer, or resume another checkpoint"
+        )
+
+
 @strict_options()
 @dataclass(frozen=True)
 class DistCheckpointOptions:

@@ -62,7 +62,7 @@ from nemo_ckpt.parallel.pipeline import (
 )
 from nemo_ckpt.parallel.tensor_parallel import apply_tensor_parallel
 from nemo_ckpt.parallel.zero import ZeroOneSharding
-from nemo_ckpt.strategy.checkpoint_io import DistCheckpointIO, DistCheckpointOptions
+from nemo_ckpt.strategy.checkpoint_io import DistCheckpointIO, DistCheckpointOptions, require_optimizer_state
 from nemo_ckpt.strategy.state_dict import (
     init_optimizer_state,
     load_module_state,
@@ -103,8 +103,6 @@ NEMO_UNSUPPORTED = {
     "lazy_init": "build the model without allocating weights; use init_model_with_meta_device=True",
     "use_te_rng_tracker": "Transformer Engine's CUDA RNG tracker; no Transformer Engine here",
     "use_sharp": "SHARP in-network reductions for NCCL",
-    "ckpt_load_optimizer": "whether a resume loads the optimizer state; it always does here (weights-only "
-    "checkpoints are skipped by AutoResume)",
     "ckpt_save_optimizer": "whether checkpoints hold the optimizer state; use ModelCheckpoint(save_weights_only=...)",
     "ckpt_load_on_device": "load checkpoint tensors straight to the GPU; use ckpt_load_directly_on_device",
     "ckpt_load_main_params": "load fp32 main parameters of a mixed-precision optimizer as the model weights",
@@ -155,7 +153,9 @@ class MegatronStrategy(DDPStrategy):
     by module with `reset_parameters` while sharding, so no rank ever holds the whole model.
     bf16 mixed precision comes from the Trainer (`precision="bf16-mixed"`): fp32 parameters (the master
     weights), bf16 compute, gradients reduced in fp32 if `ddp.grad_reduce_in_fp32`, else in bf16.
-    `ckpt_*`: `DistCheckpointOptions`. `find_unused_parameters`, `gradient_as_bucket_view`, `static_graph`,
+    `ckpt_*`: `DistCheckpointOptions`, but `ckpt_load_optimizer`: False resumes a checkpoint's weights (also one
+    saved without optimizer state) at its step, with a fresh optimizer and the run's LR schedule at that step.
+    `find_unused_parameters`, `gradient_as_bucket_view`, `static_graph`,
     `broadcast_buffers`: torch DDP's, used with `ddp` `no_shard` or `optim` without tensor parallelism.
     `parallel_devices`, `cluster_environment`, `process_group_backend`, `timeout`: Lightning's DDPStrategy's.
     Any other argument is an error: a misspelt one names the closest option, a NeMo option not implemented here
@@ -188,6 +188,7 @@ class MegatronStrategy(DDPStrategy):
         ckpt_verify_on_load: bool = False,
         ckpt_async_writer_process: bool = False,
         ckpt_async_overlap_staging: bool = False,
+        ckpt_load_optimizer: bool = True,
         pipeline_model_parallel_size: int = 1,
         virtual_pipeline_model_parallel_size: int | None = None,
         microbatch_group_size_per_vp_stage: int | None = None,
@@ -292,6 +293,7 @@ class MegatronStrategy(DDPStrategy):
         self.tensor_model_parallel_size = tensor_model_parallel_size
         self.sequence_parallel = sequence_parallel
         self.init_model_with_meta_device = init_model_with_meta_device
+        self.ckpt_load_optimizer = ckpt_load_optimizer
         self._parallel_dims: ParallelDims | None = None
         self._device_mesh: DeviceMesh | None = None
         self._data_context_parallel_mesh: DeviceMesh | None = None
@@ -306,6 +308,10 @@ class MegatronStrategy(DDPStrategy):
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return self.ckpt_load_optimizer
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -677,7 +683,18 @@ class MegatronStrategy(DDPStrategy):
             self.checkpoint_io.order_after_staging()
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        return self.checkpoint_io.load_checkpoint(checkpoint_path, sharded_state_dict=self.sharded_state_dict())
+        """The checkpoint, its tensors loaded into the live ones; without `ckpt_load_optimizer`, only the model's,
+        with the LR schedulers set to the checkpoint's step."""
+        if self.ckpt_load_optimizer:
+            require_optimizer_state(checkpoint_path)
+            return self.checkpoint_io.load_checkpoint(checkpoint_path, sharded_state_dict=self.sharded_state_dict())
+        template = {"state_dict": self.lightning_module_state_dict()}
+        checkpoint = self.checkpoint_io.load_checkpoint(checkpoint_path, sharded_state_dict=template)
+        checkpoint.pop("optimizer_states", None)
+        step = checkpoint["global_step"]
+        schedulers = self.lightning_module.trainer.lr_scheduler_configs
+        checkpoint["lr_schedulers"] = [{**config.scheduler.state_dict(), "last_epoch": step} for config in schedulers]
+        return checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         load_module_state(self.lightning_module, checkpoint["state_dict"], strict=strict)

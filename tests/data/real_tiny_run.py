@@ -11,6 +11,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import nemo_run as run
 
+from nemo_ckpt.models import gpt_config
 from recipes.gpt import data_module
 from tests.helpers.tiny_run import tiny_recipe
 
@@ -38,7 +39,7 @@ def real_tiny_recipe(directory: str, max_steps: int, kill_at_step: int | None = 
     recipe.log.ckpt.every_n_train_steps = 3
     recipe.data = data_module(
         "real",
-        recipe.model.config.vocab_size,
+        gpt_config("tiny").vocab_size,  # the corpus's tokenizer size; the model takes it (vocab_size=None)
         directory,
         None,
         None,

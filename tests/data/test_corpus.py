@@ -8,6 +8,7 @@ import pytest
 from nemo_ckpt.data.corpus import unigram_entropy
 from nemo_ckpt.data.indexed_dataset import IndexedDataset
 from nemo_ckpt.data.pretraining import PreTrainingDataModule
+from nemo_ckpt.models import gpt_config
 from recipes import pretrain_recipe
 
 
@@ -18,7 +19,8 @@ def test_real_data_recipe_prepares_the_corpus_once(tmp_path):
     prefix = tmp_path / "data" / "tiny_corpus" / "corpus_text_document"
     dataset = IndexedDataset(prefix)
     assert len(dataset) == 2000 and dataset.num_documents == 2000
-    assert data.tokenizer.vocab_size <= recipe.model.config.vocab_size
+    assert recipe.model.config.vocab_size is None  # the model takes the tokenizer's, padded: the preset's size
+    assert data.tokenizer.vocab_size <= gpt_config("tiny").vocab_size
     assert all(sequence[-1] == data.tokenizer.eod for sequence in dataset[0:10])
     entropy = unigram_entropy(prefix)
     assert 1.0 < entropy < math.log(data.tokenizer.vocab_size)

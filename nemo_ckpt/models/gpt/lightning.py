@@ -8,8 +8,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from nemo_ckpt.checkpoint.context import IOMixin
-from nemo_ckpt.models.gpt.model import GPT, Attention, GPTConfig
+from nemo_ckpt.checkpoint.context import IOMixin, set_init_arg
+from nemo_ckpt.models.gpt.model import GPT, Attention, GPTConfig, with_vocab_of
 from nemo_ckpt.models.gpt.moe import expert_parallel_group, moe_metrics
 from nemo_ckpt.models.gpt.parallelize import parallelize_gpt
 from nemo_ckpt.models.gpt.pipeline import (
@@ -41,6 +41,13 @@ class GPTModel(IOMixin, pl.LightningModule):
         self.pipeline_stages: list[tuple[int, GPT]] = []  # this rank's stages, when split by split_pipeline
         self.pipeline_group: dist.ProcessGroup | None = None
         self.loss_group: dist.ProcessGroup | None = None  # loss sums reduced over it (parallelize_context)
+
+    def use_vocabulary(self, data_vocab_size: int, source: str) -> None:
+        """Size the vocabulary for data of `data_vocab_size` token ids (`with_vocab_of`), before the model is built;
+        the stored config (`context/model.json`) records the size used."""
+        config = with_vocab_of(self.config, data_vocab_size, source)
+        if config is not self.config:
+            set_init_arg(self, "config", config)
 
     def configure_model(self) -> None:
         if self.module is None:

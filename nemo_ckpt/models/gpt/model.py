@@ -15,14 +15,20 @@ from nemo_ckpt.parallel.context_parallel import ContextParallel
 
 @dataclass
 class GPTConfig:
-    """Model shape, with Megatron-Core's `TransformerConfig` names."""
+    """Model shape, with Megatron-Core's `TransformerConfig` names.
+
+    `vocab_size`: rows of the embedding and output layer; None takes the tokenizer's vocabulary, padded up to a
+    multiple of `make_vocab_size_divisible_by` (Megatron's and NeMo's rule), when `pretrain` / `finetune` meet the
+    data (`with_vocab_of`). The padding rows are never targets: the tokenizer does not produce their ids.
+    """
 
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
     num_query_groups: int | None = None
     ffn_hidden_size: int = 172
-    vocab_size: int = 256
+    vocab_size: int | None = 256
+    make_vocab_size_divisible_by: int = 128
     seq_length: int = 32
     rotary_base: float = 10000.0
     layernorm_epsilon: float = 1e-5
@@ -48,6 +54,15 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         validate_moe_config(self)
+        if self.make_vocab_size_divisible_by < 1:
+            raise ValueError(
+                f"GPTConfig.make_vocab_size_divisible_by={self.make_vocab_size_divisible_by}: use 1 (no padding) or "
+                "more"
+            )
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(
+                f"GPTConfig.vocab_size={self.vocab_size}: use a positive number, or None (the tokenizer's)"
+            )
         if self.recompute_granularity not in (None, "full"):
             raise ValueError(
                 f"GPTConfig.recompute_granularity={self.recompute_granularity!r}: use None or 'full' "
@@ -71,6 +86,7 @@ class GPTConfig:
 
     def num_parameters(self) -> int:
         """Parameter count, without building the model."""
+        require_vocab_size(self)
         kv_dim = self.num_query_groups * self.head_dim
         attention = self.hidden_size * (self.hidden_size + 2 * kv_dim) + self.hidden_size**2
         mlp = 3 * self.hidden_size * self.ffn_hidden_size
@@ -126,6 +142,44 @@ PRESETS: dict[str, GPTConfig] = {
         rotary_base=500000.0,
     ),
 }
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
+    """`vocab_size` rounded up to a multiple of `divisible_by` (Megatron's `make_vocab_size_divisible_by`)."""
+    if divisible_by < 1:
+        raise ValueError(f"make_vocab_size_divisible_by={divisible_by}: use 1 (no padding) or more")
+    return -(-vocab_size // divisible_by) * divisible_by
+
+
+class VocabularyError(ValueError):
+    """A model whose vocabulary cannot hold the ids the data holds."""
+
+
+def with_vocab_of(config: GPTConfig, data_vocab_size: int, source: str) -> GPTConfig:
+    """`config` with its `vocab_size` for data of `data_vocab_size` ids (`source` names where they come from, e.g.
+    "the tokenizer byte-level"): None becomes that size padded to `make_vocab_size_divisible_by`; a set size must be
+    at least that large (`VocabularyError` otherwise, naming both numbers and the fix)."""
+    padded = padded_vocab_size(data_vocab_size, config.make_vocab_size_divisible_by)
+    if config.vocab_size is None:
+        return replace(config, vocab_size=padded)
+    if config.vocab_size < data_vocab_size:
+        raise VocabularyError(
+            f"model.config.vocab_size={config.vocab_size} is smaller than the {data_vocab_size} token ids of "
+            f"{source}: ids from {config.vocab_size} up would index past the embedding. Set "
+            f"model.config.vocab_size=None to take the tokenizer's ({padded}, padded to a multiple of "
+            f"make_vocab_size_divisible_by={config.make_vocab_size_divisible_by}), or a size >= {data_vocab_size}"
+        )
+    return config
+
+
+def require_vocab_size(config: GPTConfig) -> int:
+    """The config's `vocab_size`; a clear error while it is still None (to be taken from the tokenizer)."""
+    if config.vocab_size is None:
+        raise VocabularyError(
+            "GPTConfig.vocab_size=None is taken from the tokenizer when pretrain/finetune meet the data; to build "
+            "the model on its own, set vocab_size (or apply nemo_ckpt.models.gpt.model.with_vocab_of first)"
+        )
+    return config.vocab_size
 
 
 def gpt_config(size: str = "tiny", **overrides) -> GPTConfig:
@@ -298,12 +352,13 @@ class GPT(nn.Module):
         self.pre_process = True
         self.post_process = True
         self.sequence_parallel_size = 1
-        self.embedding = Embedding(config.vocab_size, config.hidden_size, config.init_method_std)
+        vocab_size = require_vocab_size(config)
+        self.embedding = Embedding(vocab_size, config.hidden_size, config.init_method_std)
         self.layers = LayerDict({index: TransformerLayer(config, index) for index in range(config.num_layers)})
         self.final_layernorm = nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
         self.output_layer = None
         if not config.share_embeddings_and_output_weights:
-            self.output_layer = Linear(config.hidden_size, config.vocab_size, config.init_method_std)
+            self.output_layer = Linear(config.hidden_size, vocab_size, config.init_method_std)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
