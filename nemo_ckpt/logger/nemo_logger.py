@@ -29,7 +29,7 @@ from nemo_ckpt.checkpoint.model_checkpoint import ModelCheckpoint
 from nemo_ckpt.logger.checkpoint_metrics import CheckpointMetrics
 from nemo_ckpt.logger.metrics import StepMetrics
 from nemo_ckpt.logger.progress import ProgressPrinter
-from nemo_ckpt.logger.run_config import write_run_config
+from nemo_ckpt.logger.run_config import describe, write_run_config
 from nemo_ckpt.logger.text_log import TextLog, global_rank, quiet_console, slurm_attempt_line, verbose_requested
 from nemo_ckpt.options import strict_options
 
@@ -140,10 +140,14 @@ class NeMoLogger:
             callbacks.append(self.ckpt)
         trainer.callbacks.extend(callback for callback in callbacks if callback not in trainer.callbacks)
 
+        if task_config is not None:  # also the loggers' hyperparameters (hparams.yaml, TensorBoard), on rank 0
+            description = describe(task_config)
+            for logger in trainer.loggers:
+                logger.log_hyperparams(description)
         if rank == 0:
             (self.run_dir / "cmd-args.log").write_text(" ".join(sys.argv) + "\n")
             if task_config is not None:
-                write_run_config(self.run_dir / "config.yaml", task_config)
+                write_run_config(self.run_dir / "config.yaml", description)
         return self.run_dir
 
     def _choose_run_dir(self, create: bool) -> Path:

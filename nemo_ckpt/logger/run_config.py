@@ -72,6 +72,6 @@ def describe_object(obj: Any) -> dict[str, Any]:
     return {"_target_": target(type(obj)), **settings}
 
 
-def write_run_config(path: Path, task_config: Mapping[str, Any]) -> None:
-    """Write `describe(task_config)` to `path` as YAML."""
-    path.write_text(yaml.safe_dump(describe(task_config), sort_keys=False))
+def write_run_config(path: Path, description: Mapping[str, Any]) -> None:
+    """Write a run's `describe(task_config)` to `path` as YAML."""
+    path.write_text(yaml.safe_dump(dict(description), sort_keys=False))

@@ -60,6 +60,8 @@ def test_user_logger_is_kept_and_gets_the_same_metrics(tmp_path, capsys):
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["seed"] == 1 and config["model"]["hidden_size"] == 64
     assert config["model"]["_target_"] == "nemo_ckpt.models.gpt.model.GPTConfig"
+    for hparams in (run_dir / "hparams.yaml", run_dir / "user" / "v" / "hparams.yaml"):  # TensorBoard's, CSV's
+        assert yaml.safe_load(hparams.read_text()) == config
 
 
 def setup_only(log: NeMoLogger) -> Path:
