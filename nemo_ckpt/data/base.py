@@ -9,12 +9,15 @@
 - the loaders: training over Megatron's pretraining sampler (`ResumableDataLoader`), evaluation from sample 0.
 """
 
+import logging
 from typing import Any
 
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset
 
 from nemo_ckpt.data.sampler import ResumableDataLoader, data_parallel_rank_and_size, rank_sampler
+
+log = logging.getLogger(__name__)
 
 
 class SampledDataModule(pl.LightningDataModule):
@@ -65,6 +68,13 @@ class SampledDataModule(pl.LightningDataModule):
                 f"micro_batch_size * data-parallel size = {self.micro_batch_size} * {data_parallel_size}"
             )
         self.trainer.accumulate_grad_batches = self.global_batch_size // per_step
+
+    def without_validation(self, reason: str) -> None:
+        """Turn the trainer's validation off (`limit_val_batches=0`) for data that has none, instead of handing
+        Lightning an empty loader at every validation interval."""
+        if self.trainer.limit_val_batches != 0:
+            log.info("%s: %s; validation is off", type(self).__name__, reason)
+            self.trainer.limit_val_batches = 0
 
     def consumed_samples(self) -> int:
         """Training samples consumed so far, over all data-parallel ranks."""

@@ -168,6 +168,8 @@ class PreTrainingDataModule(SampledDataModule):
         for which in needed:
             if which not in self.datasets:
                 self._build(which, sizes[which])
+        if stage != "test" and self.datasets[Split.valid] is None:
+            self.without_validation(f"split={self.split!r} and paths give no validation data")
 
     def _build(self, which: Split, num_samples: int | None) -> None:
         blend = self.blends[which]

@@ -334,6 +334,8 @@ class FineTuningDataModule(SampledDataModule):
         self.train_set = self._dataset(self.dataset_root / TRAINING_FILE, self.train_samples(), self.seed)
         validation = self.dataset_root / VALIDATION_FILE
         self.val_set = self._dataset(validation, self.num_val_samples, self.seed + 1) if validation.is_file() else None
+        if self.val_set is None:
+            self.without_validation(f"{validation} does not exist")
 
     def train_dataloader(self) -> DataLoader:
         self.train_set.num_samples = max(len(self.train_set), self.train_samples())  # a resumed run's last steps

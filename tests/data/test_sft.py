@@ -211,3 +211,23 @@ def test_packing_refuses_context_and_pipeline_parallelism(tmp_path, parallelism)
         ValueError, match=rf"not supported with {parallelism}=2: use {parallelism}=1, or packed_sequence"
     ):
         data.setup("fit")
+
+
+def test_no_validation_file_turns_validation_off_without_lightning_warnings(tmp_path, recwarn):
+    root = write_records(tmp_path / "sft")
+    data = FineTuningDataModule(root, "byte-level", 16, micro_batch_size=2, global_batch_size=2)
+    trainer = pl.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        val_check_interval=1,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(GPTModel(gpt_config("tiny", vocab_size=384, seq_length=16)), datamodule=data)
+    assert trainer.global_step == 2 and trainer.limit_val_batches == 0
+    assert not [str(warning.message) for warning in recwarn if "across ranks is zero" in str(warning.message)]
