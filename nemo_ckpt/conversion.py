@@ -1,14 +1,15 @@
 """`import_ckpt` / `export_ckpt`, NeMo's names for checkpoint conversion (`llm.import_ckpt`, `llm.export_ckpt`).
 
 Sources and targets: `hf` (a local Hugging Face Llama directory) and `megatron` (Megatron-Core / NeMo 2.0 GPT
-naming). A source is `hf:///abs/path` or `megatron:///abs/path`.
+naming). A source is `hf:///abs/path` or `megatron:///abs/path`. Both print what they wrote: the output, the model's
+shape and parameter count, its files and bytes.
 """
 
 from pathlib import Path
 
 import torch
 
-from nemo_ckpt.models.gpt.convert.hf import export_hf, import_hf
+from nemo_ckpt.models.gpt.convert.hf import checkpoint_gpt_config, export_hf, import_hf
 from nemo_ckpt.models.gpt.convert.megatron import export_megatron, import_megatron
 from nemo_ckpt.models.gpt.model import GPTConfig
 from nemo_ckpt.peft.merge import adapter_config, merged_tensor_reader
@@ -21,6 +22,19 @@ def _split_source(source: str) -> tuple[str, Path]:
     if not separator or scheme not in FORMATS:
         raise ValueError(f"import_ckpt(source={source!r}): use hf:///path/to/dir or megatron:///path/to/checkpoint")
     return scheme, Path(path)
+
+
+def summary(output: Path, checkpoint: Path) -> str:
+    """What a conversion wrote to `output`: the shape of `checkpoint`'s model, the files and their bytes."""
+    config = checkpoint_gpt_config(checkpoint)
+    sizes = [path.stat().st_size for path in output.rglob("*") if path.is_file()]
+    heads = f"{config.num_attention_heads} heads ({config.num_query_groups} query groups)"
+    return (
+        f"{output}\n"
+        f"  model: {config.num_layers} layers, hidden {config.hidden_size}, {heads}, vocab {config.vocab_size}, "
+        f"{config.num_parameters():,} parameters\n"
+        f"  files: {len(sizes)}, {sum(sizes):,} bytes ({sum(sizes) / 2**20:.1f} MiB)"
+    )
 
 
 def import_ckpt(
@@ -39,10 +53,13 @@ def import_ckpt(
     if scheme == "hf":
         if config is not None:
             raise ValueError("import_ckpt(source='hf://...') takes the model config from config.json; drop config=")
-        return import_hf(path, output_path, make_vocab_size_divisible_by, overwrite)
-    if config is None:
+        output = import_hf(path, output_path, make_vocab_size_divisible_by, overwrite)
+    elif config is None:
         raise ValueError("import_ckpt(source='megatron://...') needs config=GPTConfig(...) (e.g. gpt_config('tiny'))")
-    return import_megatron(path, output_path, config, overwrite=overwrite)
+    else:
+        output = import_megatron(path, output_path, config, overwrite=overwrite)
+    print(f"import_ckpt: wrote {summary(output, output)}")
+    return output
 
 
 def export_ckpt(
@@ -55,10 +72,14 @@ def export_ckpt(
 ) -> Path:
     """Write our checkpoint `path` as `target` (`hf` or `megatron`) to `output_path`.
 
-    An adapter (LoRA) checkpoint is merged into its base on the way (`hf` only). `dtype` (`bfloat16`, `float32`,
-    ...): of the Hugging Face weights; default: the imported model's, else the checkpoint's. `artifacts_from`: the
-    imported checkpoint whose Hugging Face config and tokenizer go with the weights (default: `path`'s own, or
-    for an adapter checkpoint its base's); a full fine-tune of an imported model names the import here.
+    An adapter (LoRA) checkpoint is merged into its base on the way. The Hugging Face export carries the tokenizer
+    `path` stores (every checkpoint saved in training stores its data's; an adapter checkpoint's base serves if it
+    stores none), its bos/eos/pad ids in `config.json` and `generation_config.json`. `dtype` (`bfloat16`,
+    `float32`, ...): of the Hugging Face weights; default: the imported model's, else the checkpoint's.
+    `artifacts_from`: an imported checkpoint whose Hugging Face `config.json` (and tokenizer, where `path` stores
+    none) go with the weights; a full fine-tune of an imported model may name the import here to keep its config.
+    A model the converter cannot handle (MoE) raises `UnsupportedModelError`, naming why, before anything is
+    written.
     """
     if target not in FORMATS:
         raise ValueError(f"export_ckpt(target={target!r}): use one of {FORMATS}")
@@ -67,11 +88,18 @@ def export_ckpt(
         torch_dtype = getattr(torch, dtype, None)
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"export_ckpt(dtype={dtype!r}): use a torch dtype name such as 'bfloat16' or 'float32'")
+    base, read = merged_tensor_reader(path) if adapter_config(path) is not None else (None, None)
     if target == "megatron":
-        return export_megatron(path, output_path, overwrite=overwrite)
-    if adapter_config(path) is not None:
-        base, read = merged_tensor_reader(path)
-        return export_hf(
-            path, output_path, torch_dtype, artifacts_from=artifacts_from or base, overwrite=overwrite, read_tensor=read
+        output = export_megatron(path, output_path, overwrite=overwrite, read_tensor=read, base=base)
+    else:
+        output = export_hf(
+            path,
+            output_path,
+            torch_dtype,
+            artifacts_from=artifacts_from,
+            base=base,
+            overwrite=overwrite,
+            read_tensor=read,
         )
-    return export_hf(path, output_path, torch_dtype, artifacts_from=artifacts_from, overwrite=overwrite)
+    print(f"export_ckpt: wrote {summary(output, Path(path))}")
+    return output

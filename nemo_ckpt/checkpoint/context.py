@@ -1,5 +1,6 @@
-"""A checkpoint's `context/`: the Fiddle config its model (and data) were built from, so that the checkpoint alone
-rebuilds its model, like NeMo's `nemo.lightning.io`.
+"""A checkpoint's `context/`: the Fiddle config its model (and data) were built from, and its tokenizer
+(`context/hf/`, `hf_tokenizer.py`), so that the checkpoint alone rebuilds its model and tokenizes as its training did,
+like NeMo's `nemo.lightning.io`.
 
 Classes that inherit `IOMixin` record the arguments each instance is constructed with as `obj.__io__`, a
 `fdl.Config` that builds an equal object. `ModelCheckpoint` stores them as `context/<name>.json` (Fiddle's JSON
@@ -20,10 +21,14 @@ from typing import Any
 
 import fiddle as fdl
 import lightning.pytorch as pl
+import torch
 from fiddle.experimental import serialization
+from torch import nn
 
 from nemo_ckpt import dist_checkpointing
-from nemo_ckpt.checkpoint.layout import context_dir, weights_dir
+from nemo_ckpt.checkpoint.hf_tokenizer import save_tokenizer
+from nemo_ckpt.checkpoint.layout import completion_marker, context_dir, hf_artifacts_dir, is_complete, weights_dir
+from nemo_ckpt.data.tokenizer import Tokenizer
 from nemo_ckpt.dist_checkpointing.core import fsync_path, write_durably
 
 MOVED_MODULES = {"nemo_ckpt.models.lightning": "nemo_ckpt.models.gpt.lightning"}  # 0.1.0 -> 0.2.0
@@ -115,8 +120,10 @@ def set_init_arg(obj: Any, name: str, value: Any) -> None:
 
 
 def save_context(checkpoint: str | Path, **objects: Any) -> list[str]:
-    """Write the config of each `IOMixin` object in `objects` to `<checkpoint>/context/<name>.json`; return the
-    names written, fsynced with their directory. Objects that did not record their config are skipped."""
+    """Write the config of each `IOMixin` object in `objects` to `<checkpoint>/context/<name>.json`, and the
+    tokenizer of an object that has one (a data module's `tokenizer`) as Hugging Face files to `context/hf/`
+    (`hf_tokenizer.save_tokenizer`); return the config names written, fsynced with their directory. Objects that
+    did not record their config are skipped."""
     directory = context_dir(checkpoint)
     directory.mkdir(parents=True, exist_ok=True)
     written = []
@@ -125,6 +132,9 @@ def save_context(checkpoint: str | Path, **objects: Any) -> list[str]:
             serialized = serialization.dump_json(obj.__io__).encode()
             write_durably(directory / f"{name}.json", lambda f, data=serialized: f.write(data))
             written.append(name)
+        tokenizer = getattr(obj, "tokenizer", None)
+        if isinstance(tokenizer, Tokenizer):
+            save_tokenizer(tokenizer, hf_artifacts_dir(checkpoint))
     fsync_path(directory)
     return written
 
@@ -163,15 +173,49 @@ def with_current_module_names(serialized: str) -> str:
     return json.dumps(raw)
 
 
+def _read_tensors(checkpoint: str | Path, keys: list[str]) -> dict[str, torch.Tensor]:
+    """The whole tensors `keys` of `checkpoint`'s weights (nothing else is read: no optimizer state)."""
+    weights = weights_dir(checkpoint)
+    metadata = dist_checkpointing.load_tensors_metadata(weights)
+    missing = [key for key in keys if key not in metadata]
+    if missing:
+        raise ValueError(f"{checkpoint} holds no tensors {missing[:8]}: it is not a checkpoint of this model")
+    loaded = dist_checkpointing.load({key: metadata[key] for key in keys}, weights, validate_access_integrity=False)
+    return {key: loaded[key] for key in keys}
+
+
+def _adapter_base(checkpoint: str | Path, peft: Any) -> str:
+    """The base checkpoint an adapter checkpoint's `peft` (e.g. `LoRA`) names; raises if it is not there."""
+    base = getattr(peft, "base_checkpoint", None)
+    if base is None:
+        raise ValueError(
+            f"{checkpoint} holds only {type(peft).__name__} adapters and names no base checkpoint "
+            "(peft.base_checkpoint) to load them onto"
+        )
+    if not is_complete(base):
+        raise FileNotFoundError(
+            f"{checkpoint} holds only {type(peft).__name__} adapters, for the base checkpoint {base}, which is not a "
+            f"complete checkpoint ({completion_marker(base)} is missing): put the base back there to load the model"
+        )
+    return base
+
+
 def load_model(checkpoint: str | Path, load_weights: bool = True, trust_code: bool = False) -> pl.LightningModule:
     """Rebuild the model of `checkpoint` from its stored config and, with `load_weights`, load its weights.
 
+    An adapter checkpoint (a model trained with `peft`, e.g. LoRA: it holds only the adapters) loads the weights
+    of the base checkpoint its `peft.base_checkpoint` names, then its adapters: the model computes base +
+    adapters, as in training (`nemo_ckpt.peft.merge.merge` folds them into one full checkpoint).
     Runs in a single process (no `torch.distributed` needed), whatever the number of ranks that saved it.
     `trust_code`: as in `load_context`.
     """
     model = fdl.build(load_context(checkpoint, "model", trust_code=trust_code))
     model.configure_model()
     if load_weights:
-        tensors = dist_checkpointing.load_plain_tensors(weights_dir(checkpoint))
-        model.load_state_dict({key: tensors[key] for key in model.state_dict()})
+        state = _read_tensors(checkpoint, list(model.state_dict()))
+        peft = getattr(model, "peft", None)
+        if peft is not None:
+            base_keys = [key for key in nn.Module.state_dict(model) if key not in state]
+            state |= _read_tensors(_adapter_base(checkpoint, peft), base_keys)
+        model.load_state_dict(state)
     return model

@@ -6,7 +6,8 @@
         weights/                     the distributed checkpoint (nemo_ckpt.dist_checkpointing)
             metadata.json            written last: the checkpoint is complete once it exists
         context/<model|data>.json    the Fiddle configs its model and data were built from
-        context/hf/                  an imported model's Hugging Face config and tokenizer files
+        context/hf/                  its tokenizer as Hugging Face files (tokenizer.json or tokenizer.model,
+                                     tokenizer_config.json); an imported model's config.json too
     <name>-last -> <name>            symlink to the newest checkpoint
     .tmp-<name>/                     a save in progress (or a link being replaced)
     .trash-<name>/                   a deletion in progress
@@ -36,7 +37,7 @@ def context_dir(checkpoint: str | Path) -> Path:
 
 
 def hf_artifacts_dir(checkpoint: str | Path) -> Path:
-    """An imported Hugging Face model's config.json, generation config and tokenizer files."""
+    """The checkpoint's tokenizer as Hugging Face files, and an imported model's config.json and generation config."""
     return context_dir(checkpoint) / HF_ARTIFACTS_DIR
 
 

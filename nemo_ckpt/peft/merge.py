@@ -1,7 +1,6 @@
 """Fold LoRA adapters into their base weights: an adapter checkpoint (written by a `GPTModel(peft=LoRA(...))` run)
 plus the base checkpoint it points at become one full checkpoint, which `export_ckpt` can write to Hugging Face."""
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,7 +11,13 @@ from nemo_ckpt import dist_checkpointing
 from nemo_ckpt.checkpoint.context import load_context, save_context
 from nemo_ckpt.checkpoint.layout import hf_artifacts_dir, weights_dir
 from nemo_ckpt.dist_checkpointing import ShardedTensor
-from nemo_ckpt.models.gpt.convert.hf import _Output, checkpoint_tensor_reader, gpt_shapes
+from nemo_ckpt.models.gpt.convert.hf import (
+    _Output,
+    checkpoint_tensor_reader,
+    copy_artifacts,
+    gpt_shapes,
+    hf_artifact_sources,
+)
 from nemo_ckpt.models.gpt.lightning import GPTModel
 from nemo_ckpt.peft.lora import LoRA, merge_weight
 
@@ -48,7 +53,8 @@ def merged_tensor_reader(checkpoint: str | Path) -> tuple[Path, Callable[[str], 
 
 def merge(checkpoint: str | Path, output: str | Path, overwrite: bool = False) -> Path:
     """Write the full checkpoint `base + adapters` of the adapter checkpoint `checkpoint` to `output`: weights,
-    the model config without `peft`, and the base's Hugging Face files (`context/hf`)."""
+    the model config without `peft`, and `context/hf`: the tokenizer the adapters were trained with (the base's if
+    `checkpoint` stores none) and the base's Hugging Face model config, if any."""
     out = _Output(Path(output), overwrite)
     model = load_context(checkpoint, "model")
     base, read = merged_tensor_reader(checkpoint)
@@ -61,8 +67,7 @@ def merge(checkpoint: str | Path, output: str | Path, overwrite: bool = False) -
         state = {key: ShardedTensor.from_rank_offsets(key, tensor, replica_id=0) for key, tensor in tensors.items()}
         dist_checkpointing.save({"state_dict": state}, target)
         save_context(tmp, model=GPTModel(config, fdl.build(model.optim) if model.optim is not None else None))
-        if hf_artifacts_dir(base).is_dir():
-            shutil.copytree(hf_artifacts_dir(base), hf_artifacts_dir(tmp))
+        copy_artifacts(*hf_artifact_sources(Path(checkpoint), base=base), hf_artifacts_dir(tmp))
     except BaseException:
         out.abort()
         raise

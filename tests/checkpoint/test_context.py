@@ -1,9 +1,11 @@
 """A checkpoint's `context/`: stored configs rebuild their objects, including configs written before classes moved;
-a config naming anything outside the allow-list is refused before it is imported (unless `trust_code=True`)."""
+a config naming anything outside the allow-list is refused before it is imported (unless `trust_code=True`); the
+data module's tokenizer is stored in `context/hf`."""
 
 import json
 import re
 import subprocess
+from types import SimpleNamespace
 
 import fiddle as fdl
 import pytest
@@ -12,6 +14,9 @@ from fiddle.experimental import serialization
 from lightning.pytorch.callbacks import ModelSummary
 
 from nemo_ckpt.checkpoint import AutoResume, context
+from nemo_ckpt.checkpoint.layout import hf_artifacts_dir
+from nemo_ckpt.data import MockDataModule
+from nemo_ckpt.data.tokenizer import ByteLevelTokenizer, HFTokenizer
 from nemo_ckpt.models import GPTModel, gpt_config
 from nemo_ckpt.optim import OptimizerConfig
 
@@ -79,3 +84,24 @@ def test_torch_and_lightning_types_of_recipes_are_allowed(tmp_path):
     built = fdl.build(context.load_context(tmp_path))
     assert built["optim"].func is torch.optim.AdamW and built["optim"].keywords == {"lr": 0.1}
     assert isinstance(built["summary"], ModelSummary) and built["summary"]._max_depth == 2
+
+
+class DocumentIds(ByteLevelTokenizer):
+    """A tokenizer of a type the Hugging Face files cannot describe (its ids are not the bytes')."""
+
+    vocab_size = 1100
+
+
+def test_saved_context_holds_the_data_modules_tokenizer(tmp_path, caplog):
+    model = GPTModel(gpt_config("tiny", num_layers=1))
+    data = SimpleNamespace(tokenizer=ByteLevelTokenizer())  # a data module's `tokenizer`, e.g. PreTrainingDataModule's
+    assert context.save_context(tmp_path / "ckpt", model=model, data=data) == ["model"]
+    stored = hf_artifacts_dir(tmp_path / "ckpt")
+    assert sorted(p.name for p in stored.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    assert HFTokenizer(stored).text_to_ids("naïve 🤖") == ByteLevelTokenizer().text_to_ids("naïve 🤖")
+
+    context.save_context(tmp_path / "mock", model=model, data=MockDataModule(seq_length=8))  # no tokenizer
+    assert not hf_artifacts_dir(tmp_path / "mock").exists()
+    context.save_context(tmp_path / "other", model=model, data=SimpleNamespace(tokenizer=DocumentIds()))
+    assert not hf_artifacts_dir(tmp_path / "other").exists()
+    assert "a DocumentIds is not stored with the checkpoint" in caplog.text

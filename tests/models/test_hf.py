@@ -1,7 +1,9 @@
-"""Hugging Face Llama <-> our checkpoints: bit-exact round trips, equal logits, bad input."""
+"""Hugging Face Llama <-> our checkpoints: bit-exact round trips, equal logits, bad input; exports carry the
+tokenizer the weights were trained with (`AutoTokenizer` gives its ids) and its bos/eos/pad ids."""
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,10 +11,16 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from nemo_ckpt import dist_checkpointing  # noqa: E402
-from nemo_ckpt.checkpoint.context import load_model  # noqa: E402
+from nemo_ckpt.checkpoint.context import load_model, save_context  # noqa: E402
 from nemo_ckpt.checkpoint.layout import hf_artifacts_dir, is_complete, weights_dir  # noqa: E402
+from nemo_ckpt.conversion import export_ckpt  # noqa: E402
+from nemo_ckpt.data.tokenizer import ByteLevelTokenizer, SentencePieceTokenizer, Tokenizer  # noqa: E402
+from nemo_ckpt.dist_checkpointing import ShardedTensor  # noqa: E402
+from nemo_ckpt.models import GPTConfig, GPTModel, gpt_config  # noqa: E402
 from nemo_ckpt.models.gpt.convert import export_hf, import_hf  # noqa: E402
 from nemo_ckpt.models.gpt.convert.safetensors_io import INDEX_FILE, open_model_weights  # noqa: E402
+from nemo_ckpt.models.gpt.model import padded_vocab_size  # noqa: E402
+from tests.helpers.tokenizers import TEXT, train_sentencepiece  # noqa: E402
 
 TINY_LLAMA = dict(
     vocab_size=100,
@@ -90,14 +98,16 @@ def test_bf16_sharded_with_vocab_padding(tmp_path):
         assert back[key].dtype == torch.bfloat16 and torch.equal(back[key], original[key]), key
 
 
-def save_word_level_tokenizer(directory: Path, num_tokens: int) -> None:
-    """A tokenizer of `num_tokens` words `t0`, `t1`, ... (the last one `<unk>`), saved as transformers does."""
+def save_word_level_tokenizer(directory: Path, num_tokens: int, eos_token: str | None = None) -> None:
+    """A tokenizer of `num_tokens` words `t0`, `t1`, ... (the last one `<unk>`; `eos_token` the one before), saved
+    as transformers does."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {f"t{i}": i for i in range(num_tokens - 1)} | {"<unk>": num_tokens - 1}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words = [f"t{i}" for i in range(num_tokens - 2)] + [eos_token or f"t{num_tokens - 2}", "<unk>"]
+    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>").save_pretrained(directory)
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token=eos_token)
+    tokenizer.save_pretrained(directory)
 
 
 def test_export_carries_the_tokenizer(tmp_path):
@@ -108,6 +118,64 @@ def test_export_carries_the_tokenizer(tmp_path):
     exported = export_hf(checkpoint, tmp_path / "back")
     tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
     assert tokenizer("t3 t7")["input_ids"] == [3, 7]
+
+
+def save_gpt(checkpoint: Path, config: GPTConfig, tokenizer: Tokenizer) -> None:
+    """A checkpoint of a random GPT trained here on data tokenized by `tokenizer` (what ModelCheckpoint stores)."""
+    torch.manual_seed(0)
+    model = GPTModel(config)
+    model.configure_model()
+    weights_dir(checkpoint).mkdir(parents=True)
+    state = {
+        key: ShardedTensor.from_rank_offsets(key, value, replica_id=0) for key, value in model.state_dict().items()
+    }
+    dist_checkpointing.save({"state_dict": state}, weights_dir(checkpoint))
+    save_context(checkpoint, model=model, data=SimpleNamespace(tokenizer=tokenizer))
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_export_of_a_model_pretrained_here_loads_with_its_tokenizer(tmp_path, kind):
+    if kind == "byte-level":
+        tokenizer = ByteLevelTokenizer()
+    else:
+        tokenizer = SentencePieceTokenizer(train_sentencepiece(tmp_path / "spm"))
+    rows = padded_vocab_size(tokenizer.vocab_size, 128)  # a vocabulary padded beyond the tokenizer's, kept
+    save_gpt(tmp_path / "ours", gpt_config("tiny", vocab_size=rows), tokenizer)
+    exported = export_ckpt(str(tmp_path / "ours"), str(tmp_path / "hf"))
+    loaded = transformers.AutoTokenizer.from_pretrained(exported)
+    ids = tokenizer.text_to_ids(TEXT)
+    assert loaded(TEXT)["input_ids"] == ids and loaded.eos_token_id == loaded.pad_token_id == tokenizer.eod
+    config = json.loads((exported / "config.json").read_text())
+    generation = json.loads((exported / "generation_config.json").read_text())
+    bos = {"byte-level": 256, "sentencepiece": 1}[kind]
+    for stored in (config, generation):
+        assert (stored["bos_token_id"], stored["eos_token_id"], stored["pad_token_id"]) == (
+            bos,
+            tokenizer.eod,
+            tokenizer.eod,
+        )
+    assert config["vocab_size"] == rows > tokenizer.vocab_size
+    tokens = torch.tensor([ids])
+    torch.testing.assert_close(hf_logits(exported, tokens), our_logits(tmp_path / "ours", tokens), atol=1e-5, rtol=0)
+    assert transformers.AutoModelForCausalLM.from_pretrained(exported).generation_config.eos_token_id == tokenizer.eod
+
+
+def test_export_of_an_import_takes_the_token_ids_from_its_tokenizer(tmp_path):
+    source = make_hf_llama(tmp_path / "hf")  # LlamaConfig's default ids: bos 1, eos 2, which this tokenizer lacks
+    save_word_level_tokenizer(source, num_tokens=100, eos_token="<eod>")
+    exported = export_hf(import_hf(source, tmp_path / "ours"), tmp_path / "back")
+    loaded = transformers.AutoTokenizer.from_pretrained(exported)
+    assert loaded.eos_token_id == loaded.pad_token_id == 98  # pad = eos, as NeMo's Llama export sets it
+    for name in ("config.json", "generation_config.json"):
+        stored = json.loads((exported / name).read_text())
+        assert (stored["bos_token_id"], stored["eos_token_id"], stored["pad_token_id"]) == (None, 98, 98), name
+
+
+def test_export_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path):
+    save_gpt(tmp_path / "ours", gpt_config("tiny", vocab_size=200), ByteLevelTokenizer())
+    with pytest.raises(ValueError, match="has 257 tokens but the exported model's vocab_size is 200"):
+        export_hf(tmp_path / "ours", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".tmp-*"))
 
 
 def test_bad_input_names_the_problem_and_writes_nothing(tmp_path):
@@ -145,8 +213,6 @@ TWO_RANK_RUNS = {
 
 
 def test_export_from_two_rank_fsdp2_and_tp_checkpoints(tmp_path):
-    from nemo_ckpt.checkpoint.context import save_context
-    from nemo_ckpt.models import GPTModel, gpt_config
     from tests.helpers.distributed import run_distributed
     from tests.models.two_rank_training import train_and_save
 

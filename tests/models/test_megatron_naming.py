@@ -2,7 +2,10 @@
 
 The fused tensors are checked against megatron-core's documented layout (the `linear_qkv` split of
 `SelfAttention.get_query_key_value_tensors`, SwiGLU's `chunk(2)` of `linear_fc1`); with megatron-core importable,
-`test_megatron_core_gpt.py` runs its GPTModel on our exported state."""
+`test_megatron_core_gpt.py` runs its GPTModel on our exported state. The checkpoint's tokenizer (`context/hf`) goes
+with the weights."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,7 +13,8 @@ import torch
 from nemo_ckpt import dist_checkpointing
 from nemo_ckpt.api import export_ckpt, import_ckpt
 from nemo_ckpt.checkpoint.context import save_context
-from nemo_ckpt.checkpoint.layout import weights_dir
+from nemo_ckpt.checkpoint.layout import hf_artifacts_dir, weights_dir
+from nemo_ckpt.data.tokenizer import ByteLevelTokenizer
 from nemo_ckpt.dist_checkpointing import ShardedTensor
 from nemo_ckpt.models import GPT, GPTModel, gpt_config
 from nemo_ckpt.models.gpt.convert.megatron import FC1, QKV, from_megatron, to_megatron
@@ -75,7 +79,7 @@ def test_checkpoint_export_and_import_round_trip(tmp_path):
     weights_dir(checkpoint).mkdir(parents=True)
     state = {key: ShardedTensor.from_rank_offsets(key, value, replica_id=0) for key, value in ours.items()}
     dist_checkpointing.save({"state_dict": state}, weights_dir(checkpoint))
-    save_context(checkpoint, model=GPTModel(CONFIG))
+    save_context(checkpoint, model=GPTModel(CONFIG), data=SimpleNamespace(tokenizer=ByteLevelTokenizer()))
     exported = export_ckpt(str(checkpoint), str(tmp_path / "mcore"), target="megatron")
     stored = dist_checkpointing.load_tensors_metadata(weights_dir(exported))
     assert "module.decoder.layers.self_attention.linear_qkv.weight" in stored
@@ -84,6 +88,8 @@ def test_checkpoint_export_and_import_round_trip(tmp_path):
     loaded = dist_checkpointing.load_plain_tensors(weights_dir(back))
     assert loaded.keys() == ours.keys()
     assert all(torch.equal(loaded[key], ours[key]) for key in ours)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the tokenizer goes with the weights both ways
+        assert (hf_artifacts_dir(back) / name).read_bytes() == (hf_artifacts_dir(checkpoint) / name).read_bytes()
     with pytest.raises(ValueError, match="does not match the GPTConfig"):
         import_ckpt(f"megatron://{exported}", str(tmp_path / "bad"), config=gpt_config("tiny", num_layers=3))
     assert not (tmp_path / "bad").exists()

@@ -1,4 +1,5 @@
-"""LoRA: adapters only train, merged weights reproduce base + adapters, small adapter checkpoints, FSDP2, TP."""
+"""LoRA: adapters only train, merged weights reproduce base + adapters, small adapter checkpoints, FSDP2, TP;
+`load_model` of an adapter checkpoint loads its base and its adapters."""
 
 from pathlib import Path
 
@@ -6,11 +7,13 @@ import pytest
 import torch
 
 from nemo_ckpt import dist_checkpointing
+from nemo_ckpt.checkpoint.context import load_model, save_context
 from nemo_ckpt.checkpoint.layout import weights_dir
 from nemo_ckpt.data.mock import ArithmeticSequences
 from nemo_ckpt.dist_checkpointing import ShardedTensor
 from nemo_ckpt.models import GPT, GPTModel, gpt_config
 from nemo_ckpt.peft import LoRA, LoRALinear
+from nemo_ckpt.peft.merge import merge
 from tests.helpers.distributed import run_distributed
 from tests.peft.lora_training import train_lora, train_lora_tensor_parallel
 
@@ -110,3 +113,32 @@ def test_lora_under_tensor_parallel_two_matches_one_process(tmp_path):
 def test_bad_lora_options():
     with pytest.raises(ValueError, match=r"LoRA\(dim=0\)"):
         LoRA(dim=0)
+
+
+def test_load_model_of_an_adapter_checkpoint_loads_its_base_then_the_adapters(tmp_path):
+    (tmp_path / "base").mkdir()
+    base = _save_base(tmp_path / "base")
+    trained = GPTModel(base.config, peft=LoRA(base_checkpoint=str(tmp_path / "base")))
+    trained.configure_model()
+    trained.load_state_dict(base.state_dict(), strict=False)
+    with torch.no_grad():
+        for module in trained.modules():
+            if isinstance(module, LoRALinear):
+                module.lora_b.normal_(std=0.02)
+    adapters = tmp_path / "adapters"
+    weights_dir(adapters).mkdir(parents=True)
+    state = {
+        key: ShardedTensor.from_rank_offsets(key, value, replica_id=0) for key, value in trained.state_dict().items()
+    }
+    dist_checkpointing.save({"state_dict": state}, weights_dir(adapters))
+    save_context(adapters, model=trained)
+    tokens = torch.randint(256, (2, 12))
+    with torch.no_grad():
+        expected = trained(tokens)
+        torch.testing.assert_close(load_model(adapters)(tokens), expected, atol=0, rtol=0)
+        torch.testing.assert_close(
+            load_model(merge(adapters, tmp_path / "merged"))(tokens), expected, atol=1e-6, rtol=0
+        )
+    (tmp_path / "base").rename(tmp_path / "moved")
+    with pytest.raises(FileNotFoundError, match=r"holds only LoRA adapters, for the base checkpoint .*base, which is"):
+        load_model(adapters)

@@ -5,7 +5,9 @@ of ours: `weights/` (a `dist_checkpointing` checkpoint under the keys training u
 `module.layers.0.self_attention.q_proj.weight`), `context/model.json` (a `GPTModel` with the `GPTConfig` derived
 from `config.json`) and `context/hf/` (the source's config, generation config and tokenizer files, for the export).
 `export_hf` writes a checkpoint of any layout (single process, FSDP2, TP: keys and tensors are layout-independent)
-back to a directory `transformers.AutoModelForCausalLM` and `AutoTokenizer` load.
+back to a directory `transformers.AutoModelForCausalLM` and `AutoTokenizer` load: the weights, `config.json`,
+`generation_config.json` and the tokenizer the checkpoint stores (`checkpoint/hf_tokenizer.py`), its bos/eos/pad ids
+in both configs. A model the converter cannot write (MoE) raises `UnsupportedModelError` before anything is written.
 
 Both stream: the import memory-maps the source files, the export reads and writes one tensor at a time. Both
 write to a temporary name beside the output and rename it at the end, so an output is whole or absent.
@@ -15,6 +17,7 @@ rotary layout (pairs `(i, i + head_dim / 2)`), and our q/k/v/o and gate/up/down 
 """
 
 import json
+import logging
 import re
 import shutil
 from collections.abc import Callable
@@ -27,23 +30,27 @@ import torch
 
 from nemo_ckpt import dist_checkpointing
 from nemo_ckpt.checkpoint.context import load_context, save_context
+from nemo_ckpt.checkpoint.hf_tokenizer import (
+    TOKENIZER_FILES,
+    has_tokenizer,
+    special_token_ids,
+    stored_tokenizer_files,
+    vocabulary_size,
+    write_files,
+)
 from nemo_ckpt.checkpoint.layout import TMP_PREFIX, hf_artifacts_dir, is_complete, weights_dir
 from nemo_ckpt.dist_checkpointing import ShardedTensor
 from nemo_ckpt.models.gpt.convert.safetensors_io import TensorSpec, open_model_weights, write_model_weights
 from nemo_ckpt.models.gpt.lightning import GPTModel
-from nemo_ckpt.models.gpt.model import GPT, GPTConfig
+from nemo_ckpt.models.gpt.model import GPT, GPTConfig, padded_vocab_size
+
+log = logging.getLogger(__name__)
 
 ARCHITECTURE = "LlamaForCausalLM"
 CONFIG_FILE = "config.json"
-ARTIFACT_FILES = (
-    CONFIG_FILE,
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "chat_template.jinja",
-)
+GENERATION_CONFIG_FILE = "generation_config.json"
+MODEL_CONFIG_FILES = (CONFIG_FILE, GENERATION_CONFIG_FILE)
+ARTIFACT_FILES = (*MODEL_CONFIG_FILES, *TOKENIZER_FILES)
 DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
 VOCAB_KEYS = ("module.embedding.weight", "module.output_layer.weight")
 IGNORED_HF_KEYS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
@@ -83,13 +90,6 @@ def gpt_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         module = GPT(config)
     return {f"module.{key}": tuple(tensor.shape) for key, tensor in module.state_dict().items()}
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
-    """`vocab_size` rounded up to a multiple of `divisible_by` (Megatron's `make_vocab_size_divisible_by`)."""
-    if divisible_by < 1:
-        raise ValueError(f"make_vocab_size_divisible_by={divisible_by}: use 1 (no padding) or more")
-    return -(-vocab_size // divisible_by) * divisible_by
 
 
 def _rope_theta(hf: dict[str, Any], path: Path) -> float:
@@ -165,6 +165,52 @@ def hf_config_from_gpt(config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
         "tie_word_embeddings": config.share_embeddings_and_output_weights,
         "dtype": str(dtype).removeprefix("torch."),
     }
+
+
+class UnsupportedModelError(ValueError):
+    """A model the converter cannot write; the message lists each unsupported feature."""
+
+
+def unsupported_features(config: GPTConfig, conversion: str) -> list[str]:
+    """What of a GPT with `config` the `conversion` (e.g. "export to Hugging Face") cannot handle."""
+    features = []
+    if config.num_moe_experts:
+        features.append(f"num_moe_experts={config.num_moe_experts}: MoE models do not {conversion} yet")
+    return features
+
+
+def check_convertible(config: GPTConfig, checkpoint: Path, conversion: str) -> None:
+    """Raise `UnsupportedModelError` listing what of `checkpoint`'s model the `conversion` cannot handle."""
+    features = unsupported_features(config, conversion)
+    if features:
+        raise UnsupportedModelError(f"{checkpoint} cannot {conversion}: {'; '.join(features)}")
+
+
+def hf_artifact_sources(
+    checkpoint: Path, artifacts_from: str | Path | None = None, base: str | Path | None = None
+) -> tuple[Path | None, Path | None]:
+    """The `context/hf` directories whose model config (`config.json`, `generation_config.json`) and tokenizer go
+    with `checkpoint`'s weights (None: none has one): the config of the first of `artifacts_from`, `checkpoint` and
+    `base` that holds one; the tokenizer of the first of `checkpoint`, `artifacts_from` and `base` (the tokenizer
+    the weights were trained with, which `checkpoint` stores unless it predates stored tokenizers)."""
+    configs = [hf_artifacts_dir(path) for path in (artifacts_from, checkpoint, base) if path is not None]
+    tokenizers = [hf_artifacts_dir(path) for path in (checkpoint, artifacts_from, base) if path is not None]
+    return (
+        next((directory for directory in configs if (directory / CONFIG_FILE).is_file()), None),
+        next((directory for directory in tokenizers if has_tokenizer(directory)), None),
+    )
+
+
+def copy_artifacts(config_dir: Path | None, tokenizer_dir: Path | None, target: Path) -> None:
+    """Copy the model config files of `config_dir` and the tokenizer files of `tokenizer_dir` (either may be None)
+    into `target` (a new checkpoint's `context/hf`)."""
+    sources = [(config_dir, MODEL_CONFIG_FILES), (tokenizer_dir, TOKENIZER_FILES)]
+    files = [directory / name for directory, names in sources if directory is not None for name in names]
+    files = [path for path in files if path.is_file()]
+    if files:
+        target.mkdir(parents=True, exist_ok=True)
+    for path in files:
+        shutil.copy2(path, target / path.name)
 
 
 @dataclass(frozen=True)
@@ -293,42 +339,87 @@ def checkpoint_tensor_reader(checkpoint: Path) -> tuple[dict[str, ShardedTensor]
     return metadata, read
 
 
+def _with_token_ids(config: dict[str, Any], ids: dict[str, int | None]) -> dict[str, Any]:
+    """`config` (a config.json or generation_config.json) with the tokenizer's `ids`; an eos list that holds the
+    tokenizer's eos (e.g. Llama 3's end-of-turn tokens) is kept."""
+    config = dict(config)
+    for key, value in ids.items():
+        if not (isinstance(config.get(key), list) and value in config[key]):
+            config[key] = value
+    return config
+
+
+def _export_configs(
+    checkpoint: Path,
+    config: GPTConfig,
+    stored_dtype: torch.dtype,
+    artifacts_from: str | Path | None,
+    base: str | Path | None,
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, bytes]]:
+    """The `config.json` and `generation_config.json` (empty: none) of `checkpoint`'s export, with the token ids of
+    its tokenizer, and the tokenizer files (empty: none stored, with a warning); see `export_hf`."""
+    config_dir, tokenizer_dir = hf_artifact_sources(checkpoint, artifacts_from, base)
+    generation: dict[str, Any] = {}
+    if config_dir is not None:
+        hf = json.loads((config_dir / CONFIG_FILE).read_text())
+        stored_config = gpt_config_from_hf(hf, config_dir / CONFIG_FILE)
+        if (stored_config.hidden_size, stored_config.num_layers) != (config.hidden_size, config.num_layers):
+            raise ValueError(
+                f"{config_dir / CONFIG_FILE} describes another model than {checkpoint} (hidden_size, num_layers "
+                f"{stored_config.hidden_size, stored_config.num_layers} vs {config.hidden_size, config.num_layers})"
+            )
+        if (config_dir / GENERATION_CONFIG_FILE).is_file():
+            generation = json.loads((config_dir / GENERATION_CONFIG_FILE).read_text())
+    else:
+        hf = hf_config_from_gpt(config, stored_dtype)
+    if tokenizer_dir is None:
+        log.warning(
+            "%s stores no tokenizer (a model trained on mock data, or saved before checkpoints stored their "
+            "tokenizer): AutoTokenizer will not load its export; pass artifacts_from=<a checkpoint with one>",
+            checkpoint,
+        )
+        return hf, generation, {}
+    tokenizer = stored_tokenizer_files(tokenizer_dir)
+    size = vocabulary_size(tokenizer)
+    if size > hf["vocab_size"]:
+        raise ValueError(
+            f"The tokenizer of {tokenizer_dir} has {size} tokens but the exported model's vocab_size is "
+            f"{hf['vocab_size']}: it is not the tokenizer of these weights"
+        )
+    ids = special_token_ids(tokenizer)
+    return _with_token_ids(hf, ids), _with_token_ids(generation, ids), tokenizer
+
+
 def export_hf(
     checkpoint: str | Path,
     output: str | Path,
     dtype: torch.dtype | None = None,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     artifacts_from: str | Path | None = None,
+    base: str | Path | None = None,
     overwrite: bool = False,
     read_tensor: Callable[[str], torch.Tensor] | None = None,
 ) -> Path:
     """Write our GPT checkpoint `checkpoint` as a Hugging Face Llama directory at `output`; return `output`.
 
-    `config.json`, the generation config and the tokenizer come from the `context/hf/` of `artifacts_from`
-    (default: `checkpoint`), when it has one; else the config is made from the GPT's. The vocabulary is cut back
-    to the config's `vocab_size` (undoing the import's padding). `dtype`: of the written weights (default: the
-    config's `dtype`, else the checkpoint's). Weight files hold at most `max_shard_size` bytes each.
+    `config.json` and `generation_config.json` come from the `context/hf/` of the first of `artifacts_from`,
+    `checkpoint` and `base` (an adapter checkpoint's base) that holds a config.json (its vocabulary: an import's
+    padding is cut back), else from the GPT's config (its `vocab_size` the model's, padding rows kept). The
+    tokenizer comes from the first of `checkpoint`, `artifacts_from` and `base` that stores one (so the tokenizer
+    the weights were trained with), its bos/eos/pad ids written into both configs. `dtype`: of the written weights
+    (default: the config's `dtype`, else the checkpoint's). Weight files hold at most `max_shard_size` bytes each.
     `read_tensor`: loads one of our tensors by key (default: from `checkpoint`'s weights).
     """
     checkpoint = Path(checkpoint)
     out = _Output(Path(output), overwrite)
     config = checkpoint_gpt_config(checkpoint)
+    check_convertible(config, checkpoint, "export to Hugging Face")
     if read_tensor is None:
         metadata, read_tensor = checkpoint_tensor_reader(checkpoint)
         stored_dtype = metadata["module.embedding.weight"].dtype
     else:
         stored_dtype = read_tensor("module.final_layernorm.weight").dtype
-    artifacts = hf_artifacts_dir(artifacts_from if artifacts_from is not None else checkpoint)
-    if (artifacts / CONFIG_FILE).is_file():
-        hf = json.loads((artifacts / CONFIG_FILE).read_text())
-        stored_config = gpt_config_from_hf(hf, artifacts / CONFIG_FILE)
-        if (stored_config.hidden_size, stored_config.num_layers) != (config.hidden_size, config.num_layers):
-            raise ValueError(
-                f"{artifacts / CONFIG_FILE} describes another model than {checkpoint} (hidden_size, num_layers "
-                f"{stored_config.hidden_size, stored_config.num_layers} vs {config.hidden_size, config.num_layers})"
-            )
-    else:
-        hf = hf_config_from_gpt(config, stored_dtype)
+    hf, generation, tokenizer = _export_configs(checkpoint, config, stored_dtype, artifacts_from, base)
     dtype = dtype or getattr(torch, hf.get("dtype") or hf.get("torch_dtype") or "", None) or stored_dtype
     hf["dtype"] = str(dtype).removeprefix("torch.")
     hf.pop("torch_dtype", None)
@@ -354,9 +445,9 @@ def export_hf(
     try:
         write_model_weights(tmp, specs, produce, max_shard_size)
         (tmp / CONFIG_FILE).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-        for name in ARTIFACT_FILES[1:]:
-            if (artifacts / name).is_file():
-                shutil.copy2(artifacts / name, tmp / name)
+        if generation:
+            (tmp / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+        write_files(tokenizer, tmp)
     except BaseException:
         out.abort()
         raise

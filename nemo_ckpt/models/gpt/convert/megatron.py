@@ -19,6 +19,8 @@ homogeneous layers):
 The local (non-Transformer-Engine) spec's `input_layernorm.weight` / `pre_mlp_layernorm.weight` names are read
 too. Both use the rotate-half rotary layout (`rotary_interleaved=False`), as we do. Checked against megatron-core
 0.19.2's own GPTModel (local spec, on CPU) when it is importable: `tests/models/test_megatron_core_gpt.py`.
+Dense models only: a MoE config raises `UnsupportedModelError` before anything is written. The checkpoint's
+`context/hf` (its tokenizer, an import's config.json) goes with the weights both ways.
 """
 
 from collections.abc import Callable
@@ -28,9 +30,17 @@ import torch
 
 from nemo_ckpt import dist_checkpointing
 from nemo_ckpt.checkpoint.context import save_context
-from nemo_ckpt.checkpoint.layout import weights_dir
+from nemo_ckpt.checkpoint.layout import hf_artifacts_dir, weights_dir
 from nemo_ckpt.dist_checkpointing import ShardedTensor
-from nemo_ckpt.models.gpt.convert.hf import _Output, checkpoint_gpt_config, checkpoint_tensor_reader, gpt_shapes
+from nemo_ckpt.models.gpt.convert.hf import (
+    _Output,
+    check_convertible,
+    checkpoint_gpt_config,
+    checkpoint_tensor_reader,
+    copy_artifacts,
+    gpt_shapes,
+    hf_artifact_sources,
+)
 from nemo_ckpt.models.gpt.lightning import GPTModel
 from nemo_ckpt.models.gpt.model import GPTConfig
 
@@ -162,6 +172,7 @@ def import_megatron(
     directory, or a `dist_checkpointing` directory itself) of a Llama model with `config`."""
     source = Path(source)
     out = _Output(Path(output), overwrite)
+    check_convertible(config, source, "import from Megatron-Core naming")
     weights = weights_dir(source) if weights_dir(source).is_dir() else source
     metadata = dist_checkpointing.load_tensors_metadata(weights)
     keys = [key for key in metadata if key.startswith(prefix) and not key.startswith("optimizer.")]
@@ -171,6 +182,7 @@ def import_megatron(
     try:
         _save_weights(tmp, ours)
         save_context(tmp, model=GPTModel(config))
+        copy_artifacts(*hf_artifact_sources(source), hf_artifacts_dir(tmp))
     except BaseException:
         out.abort()
         raise
@@ -178,19 +190,28 @@ def import_megatron(
 
 
 def export_megatron(
-    checkpoint: str | Path, output: str | Path, prefix: str = NEMO_PREFIX, overwrite: bool = False
+    checkpoint: str | Path,
+    output: str | Path,
+    prefix: str = NEMO_PREFIX,
+    overwrite: bool = False,
+    read_tensor: Callable[[str], torch.Tensor] | None = None,
+    base: str | Path | None = None,
 ) -> Path:
     """Our GPT checkpoint written in Megatron-Core's naming (`weights/` with `<prefix>decoder.layers...`), with
-    our `context/model.json` beside it."""
+    our `context/model.json` and `context/hf` beside it. `read_tensor`: loads one of our tensors by key (default:
+    from `checkpoint`'s weights); `base`: an adapter checkpoint's base, whose `context/hf` serves where
+    `checkpoint`'s lacks a file."""
     checkpoint = Path(checkpoint)
     out = _Output(Path(output), overwrite)
     config = checkpoint_gpt_config(checkpoint)
-    _, read = checkpoint_tensor_reader(checkpoint)
+    check_convertible(config, checkpoint, "export to Megatron-Core naming")
+    read = read_tensor or checkpoint_tensor_reader(checkpoint)[1]
     state = to_megatron(read, config)
     tmp = out.start()
     try:
         _save_weights(tmp, {prefix + key: tensor for key, tensor in state.items()})
         save_context(tmp, model=GPTModel(config))
+        copy_artifacts(*hf_artifact_sources(checkpoint, base=base), hf_artifacts_dir(tmp))
     except BaseException:
         out.abort()
         raise
