@@ -1,4 +1,7 @@
-"""`python -m nemo_ckpt inspect|consolidate|verify`: look into, flatten and check distributed checkpoints."""
+"""`python -m nemo_ckpt inspect|consolidate|verify`: look into, flatten and check distributed checkpoints.
+
+Each takes a `dist_checkpointing` directory or a training checkpoint (whose `weights/` directory it finds).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import os
+import stat
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -16,12 +20,21 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from .core import CheckpointingException, maybe_load_config
 from .integrity import print_progress, verify_checkpoint
-from .serialization import load_common_state_dict, load_plain_tensors
+from .serialization import load, load_common_state_dict, load_tensors_metadata
 from .strategies.torch import SafeFileSystemReader
 from .validation import verify_checkpoint_and_load_strategy
 
+OPTIMIZER_PREFIX = "optimizer."  # Megatron-Core's and NeMo's optimizer state keys; every other tensor is the model's
+TORCH_METADATA = ".metadata"
 
-def describe(checkpoint_dir: str, allow_unsafe_pickle: bool = False) -> dict[str, Any]:
+
+def weights_directory(checkpoint: str | Path) -> Path:
+    """`checkpoint`'s `weights/` directory if it is a training checkpoint, else `checkpoint` itself."""
+    directory = Path(checkpoint)
+    return directory / "weights" if (directory / "weights").is_dir() else directory
+
+
+def describe(checkpoint_dir: str | Path, allow_unsafe_pickle: bool = False) -> dict[str, Any]:
     """Backend config, tensors (shape, dtype, bytes, chunks), objects (bytes) and common keys."""
     verify_checkpoint_and_load_strategy(checkpoint_dir)
     config = maybe_load_config(checkpoint_dir)
@@ -73,31 +86,43 @@ def _print_description(info: dict[str, Any]) -> None:
     print(f"common keys: {info['common_keys']}")
 
 
-def consolidate(checkpoint_dir: str, out_path: str, fmt: str | None = None) -> dict[str, torch.Tensor]:
-    """Write every tensor, whole, to one file: torch (`torch.save` of `{key: tensor}`)
-    or safetensors (chosen by `fmt` or an `.safetensors` suffix)."""
-    tensors = load_plain_tensors(checkpoint_dir)
+def consolidate(
+    checkpoint_dir: str | Path, out_path: str, fmt: str | None = None, weights_only: bool = False
+) -> dict[str, torch.Tensor]:
+    """Write every tensor, whole, to one file: torch (`torch.save` of `{key: tensor}`) or safetensors (chosen by
+    `fmt` or an `.safetensors` suffix). `weights_only`: the model's tensors only, without the optimizer state
+    (keys `optimizer.*`, which are not read). The file gets the mode `open()` gives (0644 under umask 022)."""
+    metadata = load_tensors_metadata(checkpoint_dir)
+    keys = [key for key in metadata if not (weights_only and key.startswith(OPTIMIZER_PREFIX))]
+    loaded = load({key: metadata[key] for key in keys}, checkpoint_dir, validate_access_integrity=False)
+    tensors = {key: loaded[key] for key in keys}
     fmt = fmt or ("safetensors" if out_path.endswith(".safetensors") else "torch")
     if fmt == "safetensors":
         from safetensors.torch import save_file
 
+        with open(out_path, "wb"):  # the mode a new file gets here: safetensors renames a 0600 file into place
+            mode = stat.S_IMODE(os.stat(out_path).st_mode)
         save_file(
             {k: v.contiguous() for k, v in tensors.items()},
             out_path,
             metadata={"source": os.path.abspath(checkpoint_dir)},
         )
+        os.chmod(out_path, mode)
     else:
         torch.save(tensors, out_path)
     return tensors
 
 
 def verify(checkpoint: str, threads: int = 4) -> int:
-    """Print each corrupt range of `checkpoint`; 0 if intact, 1 if corrupt, 2 if it holds no checksums."""
-    directory = Path(checkpoint)
-    if (directory / "weights").is_dir():
-        directory = directory / "weights"
+    """Print each corrupt range of `checkpoint`; 0 if intact, 1 if corrupt or not a checkpoint, 2 if it holds no
+    checksums."""
+    directory = weights_directory(checkpoint)
     corruptions = verify_checkpoint(directory, threads, print_progress)
     if corruptions is None:
+        if maybe_load_config(directory) is None and not (directory / TORCH_METADATA).is_file():
+            raise CheckpointingException(
+                f"{directory} is not a distributed checkpoint: it holds no metadata.json or {TORCH_METADATA}"
+            )
         print(f"{directory}: no checksums stored (saved without them, or by another tool): nothing to verify")
         return 2
     for corruption in corruptions:
@@ -119,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     p_cons.add_argument("checkpoint")
     p_cons.add_argument("out")
     p_cons.add_argument("--format", choices=["torch", "safetensors"], default=None)
+    p_cons.add_argument(
+        "--weights-only", action="store_true", help="the model's weights only, without the optimizer state"
+    )
     p_verify = sub.add_parser("verify", help="check every file against the checksums stored at save")
     p_verify.add_argument("checkpoint", help="a checkpoint (its weights/ directory is found) or weights directory")
     p_verify.add_argument("--threads", type=int, default=4, help="files checked in parallel")
@@ -127,10 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "verify":
             return verify(args.checkpoint, args.threads)
         if args.command == "inspect":
-            info = describe(args.checkpoint, args.allow_unsafe_pickle)
+            info = describe(weights_directory(args.checkpoint), args.allow_unsafe_pickle)
             print(json.dumps(info, indent=2)) if args.json else _print_description(info)
         else:
-            tensors = consolidate(args.checkpoint, args.out, args.format)
+            tensors = consolidate(weights_directory(args.checkpoint), args.out, args.format, args.weights_only)
             print(f"wrote {len(tensors)} tensors to {args.out}")
     except CheckpointingException as e:
         print(f"error: {e}", file=sys.stderr)

@@ -127,9 +127,13 @@ def verify_checkpoint(
     checkpoint_dir: str | Path, threads: int = 4, progress: Callable[[int, int, str], None] | None = None
 ) -> list[Corruption] | None:
     """Check every stored checksum of `checkpoint_dir` (files in parallel); return the corruptions found
-    (empty: intact), or None if the checkpoint has no checksums. `progress(done, total, file)` after each
-    file."""
+    (empty: intact), or None if the checkpoint has no checksums; raise if it is missing or not a directory.
+    `progress(done, total, file)` after each file."""
     checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.exists():
+        raise CheckpointingException(f"{checkpoint_dir} does not exist")
+    if not checkpoint_dir.is_dir():
+        raise CheckpointingException(f"{checkpoint_dir} is not a checkpoint directory: it is a file")
     files = read_checksums(checkpoint_dir)
     if files is None:
         return None
