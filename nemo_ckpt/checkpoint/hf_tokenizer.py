@@ -18,7 +18,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nemo_ckpt.data.tokenizer import EOD_TOKEN, ByteLevelTokenizer, HFTokenizer, SentencePieceTokenizer, Tokenizer
+from nemo_ckpt.data.tokenizer import (
+    EOD_TOKEN,
+    GPT2_EOD_TOKEN,
+    ByteLevelTokenizer,
+    GPT2BPETokenizer,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+)
 from nemo_ckpt.dist_checkpointing.core import fsync_path, write_durably
 
 log = logging.getLogger(__name__)
@@ -109,6 +117,9 @@ def tokenizer_files(tokenizer: Tokenizer) -> Files | None:
             files = {name: (path / name).read_bytes() for name in TOKENIZER_FILES if (path / name).is_file()}
         eos = _token_of(files, tokenizer.eod)
         return None if eos is None else _with_special_tokens(files, eos)
+    if isinstance(tokenizer, GPT2BPETokenizer):  # <|endoftext|> begins and ends GPT-2's documents
+        files = {TOKENIZER_JSON: tokenizer.to_json().encode()}
+        return _with_special_tokens(files, GPT2_EOD_TOKEN, bos_token=GPT2_EOD_TOKEN)
     if isinstance(tokenizer, SentencePieceTokenizer):
         files = {SENTENCEPIECE_MODEL: tokenizer.path.read_bytes()}
         processor = _sentencepiece(files[SENTENCEPIECE_MODEL])

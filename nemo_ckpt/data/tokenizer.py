@@ -87,6 +87,10 @@ class _FastTokenizer:
     def ids_to_text(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids])
 
+    def to_json(self) -> str:
+        """The tokenizer as a Hugging Face `tokenizer.json`."""
+        return self._tokenizer.to_str()
+
 
 class HFTokenizer(_FastTokenizer):
     """A Hugging Face fast tokenizer from a local directory (or a `tokenizer.json` file). `add_special_tokens`

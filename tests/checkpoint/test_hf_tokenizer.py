@@ -13,7 +13,13 @@ from nemo_ckpt.checkpoint.hf_tokenizer import (
     tokenizer_files,
     vocabulary_size,
 )
-from nemo_ckpt.data.tokenizer import ByteLevelTokenizer, HFTokenizer, SentencePieceTokenizer, train_bpe_tokenizer
+from nemo_ckpt.data.tokenizer import (
+    ByteLevelTokenizer,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    train_bpe_tokenizer,
+    train_gpt2_bpe_tokenizer,
+)
 from tests.helpers.tokenizers import TEXT, train_sentencepiece
 
 transformers = pytest.importorskip("transformers")
@@ -100,3 +106,12 @@ def test_stored_tokenizer_is_completed_as_training_reads_it(tmp_path, caplog):
     )
     assert stored_tokenizer_files(tmp_path / "unknown").keys() == {"tokenizer.json"}  # as it is, with a warning
     assert "no end-of-document token" in caplog.text
+
+
+def test_gpt2_bpe_tokenizer_is_stored_as_tokenizer_json_with_its_ids(tmp_path):
+    (tmp_path / "corpus.txt").write_text(TEXT * 20)
+    training = train_gpt2_bpe_tokenizer([tmp_path / "corpus.txt"], 300, tmp_path / "gpt2")
+    assert save_tokenizer(training, tmp_path / "stored") == ["tokenizer.json", "tokenizer_config.json"]
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "stored")
+    assert loaded(TEXT, add_special_tokens=False)["input_ids"] == training.text_to_ids(TEXT)
+    assert loaded.eos_token_id == loaded.bos_token_id == loaded.pad_token_id == training.eod
