@@ -35,10 +35,10 @@ class AutoResume:
     holds optimizer state in `resume_from_directory` (default: the run's checkpoint directory), found through
     its `checkpoints.json`: unfinished and incomplete checkpoints are skipped with a warning. Without one, the
     run fails unless `resume_ignore_no_checkpoint`. With `restore_config`, the model is rebuilt from the config
-    stored in the checkpoint instead of the one the run was given; that config may only name allow-listed
-    classes and functions (`nemo_ckpt.checkpoint.context`) unless `restore_config_trust_code`. With a
-    `RestoreConfig` instead, a run that finds nothing to resume starts from that checkpoint's weights (fine-tuning);
-    a run that resumes takes its weights from the resumed checkpoint.
+    stored in the checkpoint instead of the one the run was given; that config is read as data, building only the
+    classes of `nemo_ckpt.checkpoint.registry` (`nemo_ckpt.checkpoint.context`), unless `restore_config_trust_code`.
+    With a `RestoreConfig` instead, a run that finds nothing to resume starts from that checkpoint's weights
+    (fine-tuning); a run that resumes takes its weights from the resumed checkpoint.
     """
 
     resume_if_exists: bool = False
@@ -107,7 +107,7 @@ class AutoResume:
         """With `restore_config` and a checkpoint, the model rebuilt from the checkpoint's config; else `model`."""
         if self.restore_config is not True or checkpoint is None:
             return model
-        config = context.load_context(checkpoint, "model", trust_code=self.restore_config_trust_code)
+        config = context.load_model_config(checkpoint, trust_code=self.restore_config_trust_code)
         if isinstance(model, context.IOMixin) and model.__io__ != config:
             log.warning(
                 "AutoResume(restore_config=True): using the model config of %s, not the one given:\n%s",

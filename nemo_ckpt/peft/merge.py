@@ -8,11 +8,12 @@ import fiddle as fdl
 import torch
 
 from nemo_ckpt import dist_checkpointing
-from nemo_ckpt.checkpoint.context import load_context, save_context
+from nemo_ckpt.checkpoint.context import save_context
 from nemo_ckpt.checkpoint.layout import hf_artifacts_dir, weights_dir
 from nemo_ckpt.dist_checkpointing import ShardedTensor
 from nemo_ckpt.models.gpt.convert.hf import (
     _Output,
+    checkpoint_model,
     checkpoint_tensor_reader,
     copy_artifacts,
     gpt_shapes,
@@ -24,8 +25,7 @@ from nemo_ckpt.peft.lora import LoRA, merge_weight
 
 def adapter_config(checkpoint: str | Path) -> LoRA | None:
     """The `LoRA` a checkpoint's model was trained with (None for a full checkpoint)."""
-    model = load_context(checkpoint, "model")
-    peft = getattr(model, "peft", None) if isinstance(model, fdl.Config) else None
+    peft = checkpoint_model(checkpoint).peft
     return None if peft is None else fdl.build(peft)
 
 
@@ -56,7 +56,7 @@ def merge(checkpoint: str | Path, output: str | Path, overwrite: bool = False) -
     the model config without `peft`, and `context/hf`: the tokenizer the adapters were trained with (the base's if
     `checkpoint` stores none) and the base's Hugging Face model config, if any."""
     out = _Output(Path(output), overwrite)
-    model = load_context(checkpoint, "model")
+    model = checkpoint_model(checkpoint)
     base, read = merged_tensor_reader(checkpoint)
     config = fdl.build(model.config)
     tensors = {key: read(key) for key in gpt_shapes(config)}

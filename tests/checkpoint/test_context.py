@@ -1,6 +1,7 @@
-"""A checkpoint's `context/`: stored configs rebuild their objects, including configs written before classes moved;
-a config naming anything outside the allow-list is refused before it is imported (unless `trust_code=True`); the
-data module's tokenizer is stored in `context/hf`."""
+"""A checkpoint's `context/`: stored configs rebuild their objects, including configs written before classes moved,
+read as data, as Fiddle's own loader reads them; a config naming anything outside the registry is refused before it
+is imported, saying what and where (unless `trust_code=True`); the data module's tokenizer is stored in `context/hf`.
+The attack corpus is in `test_untrusted_configs.py`."""
 
 import json
 import re
@@ -19,6 +20,7 @@ from nemo_ckpt.data import MockDataModule
 from nemo_ckpt.data.tokenizer import ByteLevelTokenizer, HFTokenizer
 from nemo_ckpt.models import GPTModel, gpt_config
 from nemo_ckpt.optim import OptimizerConfig
+from nemo_ckpt.peft import LoRA
 
 
 def test_saved_config_rebuilds_an_equal_model(tmp_path):
@@ -68,7 +70,7 @@ def test_config_naming_subprocess_is_refused_before_it_runs(tmp_path):
         ("torch", "load"),
     ],
 )
-def test_symbols_outside_the_allow_list_are_refused(tmp_path, module, name):
+def test_symbols_outside_the_registry_are_refused(tmp_path, module, name):
     model = GPTModel(gpt_config("tiny", num_layers=1))
     raw = json.loads(serialization.dump_json(model.__io__))
     raw["objects"]["buildable_traverser_metadata_1"]["items"][0][1] = {"type": "pyref", "module": module, "name": name}
@@ -78,12 +80,40 @@ def test_symbols_outside_the_allow_list_are_refused(tmp_path, module, name):
         context.load_context(tmp_path)
 
 
-def test_torch_and_lightning_types_of_recipes_are_allowed(tmp_path):
+def test_configs_of_every_stored_kind_read_as_fiddle_reads_them(tmp_path):
+    optim = OptimizerConfig(optimizer="sgd", lr_decay_steps=7)
+    lora = LoRA(target_modules=("q_proj", "v_proj"), dim=4, alpha=8, base_checkpoint=str(tmp_path / "base"))
+    model = GPTModel(gpt_config("tiny", num_layers=1, moe_layer_freq=[1], vocab_size=None), optim, lora)
+    context.save_context(tmp_path, model=model)
+    stored = (tmp_path / "context" / "model.json").read_text()
+    config = context.load_context(tmp_path)
+    assert config == serialization.load_json(stored) == model.__io__
+    assert isinstance(config.peft.target_modules, tuple)
+    rebuilt = fdl.build(config)
+    assert (rebuilt.config, rebuilt.optim, rebuilt.peft) == (model.config, optim, lora)
+
+
+def test_refusal_says_what_it_found_and_where(tmp_path):
+    config = context.to_config(gpt_config("tiny"))
+    _write_config(tmp_path, fdl.Config(GPTModel, config, peft=fdl.Config(subprocess.run, ["true"])))
+    with pytest.raises(context.UntrustedConfigError) as refused:
+        context.load_context(tmp_path)
+    message = str(refused.value)
+    assert message.startswith(f"{tmp_path / 'context' / 'model.json'} at $.objects['buildable_traverser_metadata_")
+    assert "(<root>.peft): `subprocess.run`, which is not in the registry" in message
+    assert "GPTModel, GPTConfig, OptimizerConfig, LoRA" in message and "trust_code=True" in message
+
+
+def test_torch_and_lightning_types_are_refused_unless_trusted(tmp_path):
     config = fdl.Config(dict, optim=fdl.Partial(torch.optim.AdamW, lr=0.1), summary=fdl.Config(ModelSummary, 2))
     _write_config(tmp_path, config)
-    built = fdl.build(context.load_context(tmp_path))
+    with pytest.raises(context.UntrustedConfigError, match="`builtins.dict`, which is not in the registry"):
+        context.load_context(tmp_path)
+    built = fdl.build(context.load_context(tmp_path, trust_code=True))
     assert built["optim"].func is torch.optim.AdamW and built["optim"].keywords == {"lr": 0.1}
     assert isinstance(built["summary"], ModelSummary) and built["summary"]._max_depth == 2
+    with pytest.raises(ValueError, match="does not describe a model: it builds <class 'dict'>"):
+        context.load_model(tmp_path, trust_code=True)
 
 
 class DocumentIds(ByteLevelTokenizer):

@@ -315,12 +315,17 @@ def import_hf(
     return out.commit()
 
 
-def checkpoint_gpt_config(checkpoint: Path) -> GPTConfig:
-    """The `GPTConfig` stored in `checkpoint`'s `context/model.json`."""
+def checkpoint_model(checkpoint: str | Path) -> fdl.Config:
+    """The `GPTModel` config stored in `checkpoint`'s `context/model.json`, read as data (`load_context`)."""
     model = load_context(checkpoint, "model")
-    if not (isinstance(model, fdl.Config) and issubclass(fdl.get_callable(model), GPTModel)):
+    if not issubclass(fdl.get_callable(model), GPTModel):
         raise ValueError(f"{checkpoint}: its context/model.json builds {fdl.get_callable(model)}, not a GPTModel")
-    return fdl.build(model.config)
+    return model
+
+
+def checkpoint_gpt_config(checkpoint: str | Path) -> GPTConfig:
+    """The `GPTConfig` stored in `checkpoint`'s `context/model.json`."""
+    return fdl.build(checkpoint_model(checkpoint).config)
 
 
 def checkpoint_tensor_reader(checkpoint: Path) -> tuple[dict[str, ShardedTensor], Callable[[str], torch.Tensor]]:
