@@ -16,6 +16,7 @@ from nemo_ckpt.api import finetune, resolve_start, restore_config_of
 from nemo_ckpt.checkpoint.resume import AutoResume
 from nemo_ckpt.logger import NeMoLogger
 from nemo_ckpt.options import check_config_options
+from nemo_ckpt.parallel.mesh import PARALLEL_SIZE_OPTIONS, ParallelDims
 
 USER_ERRORS = (ValueError, TypeError, KeyError, OSError)
 
@@ -30,6 +31,7 @@ def check_task(task: fdl.Buildable) -> None:
         check_config_options(task)
     except USER_ERRORS as error:
         raise PreflightError(str(error)) from error
+    _check_trainer(_argument(task, "trainer"))
     model, data = _build(task, "model"), _build(task, "data")
     log = _build(task, "log") or NeMoLogger()
     resume = _build(task, "resume") or AutoResume()
@@ -42,6 +44,30 @@ def check_task(task: fdl.Buildable) -> None:
             resolve_start(model, data, log, resume, load_optimizer)
     except USER_ERRORS as error:
         raise PreflightError(_message(error)) from error
+
+
+def _check_trainer(trainer: Any) -> None:
+    """The Trainer's step limit and size, and its strategy's parallel sizes against that size (`ParallelDims`),
+    read from the config: building a Trainer here would set up devices in this process."""
+    if not isinstance(trainer, fdl.Buildable):
+        return
+    max_steps = _argument(trainer, "max_steps", -1)
+    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < -1 or max_steps == 0:
+        raise PreflightError(f"trainer.max_steps={max_steps!r}: use a positive number of steps (or -1: no limit)")
+    sizes = {name: _argument(trainer, name, 1) for name in ("num_nodes", "devices")}
+    for name, value in sizes.items():
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise PreflightError(f"trainer.{name}={value}: use 1 or more")
+    if not all(isinstance(value, int) for value in sizes.values()):
+        return  # devices="auto" and such: known once the processes start
+    strategy = _argument(trainer, "strategy")
+    given = {dim: _argument(strategy, option, 1) for dim, option in PARALLEL_SIZE_OPTIONS.items()}
+    try:
+        ParallelDims(sizes["num_nodes"] * sizes["devices"], **given)
+    except (ValueError, TypeError) as error:
+        raise PreflightError(
+            f"trainer.strategy: {error} (trainer.num_nodes={sizes['num_nodes']} x trainer.devices={sizes['devices']})"
+        ) from error
 
 
 def _argument(config: Any, name: str, default: Any = None) -> Any:

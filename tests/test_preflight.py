@@ -1,5 +1,6 @@
 """`check_task`: what a recipe would fail on minutes after launch is refused before it, named, in this process."""
 
+import functools
 import json
 from pathlib import Path
 
@@ -86,4 +87,22 @@ def test_finetune_without_restore_config_is_refused(tmp_path):
     recipe = finetune_recipe(restore_path=str(tmp_path), dataset_root=str(sft))
     recipe.resume.restore_config = None
     with pytest.raises(PreflightError, match="finetune needs the weights to start from"):
+        check_task(recipe)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("trainer.max_steps", -5, r"^trainer.max_steps=-5: use a positive number of steps \(or -1: no limit\)"),
+        ("trainer.devices", 0, r"^trainer.devices=0: use 1 or more"),
+        ("trainer.strategy.tensor_model_parallel_size", 3, r"^trainer.strategy: tensor_model_parallel_size=3 .*"),
+        ("model.config.hidden_size", 0, r"^model: GPTConfig.hidden_size=0: use a positive integer"),
+        ("data.micro_batch_size", 0, r"^data: MockDataModule\(micro_batch_size=0\): use 1 or more"),
+    ],
+)
+def test_values_that_cannot_work_are_refused_with_their_key(tmp_path, key, value, message):
+    recipe = pretrain_recipe(dir=str(tmp_path))
+    *parents, name = key.split(".")
+    setattr(functools.reduce(getattr, parents, recipe), name, value)
+    with pytest.raises(PreflightError, match=message):
         check_task(recipe)

@@ -12,6 +12,8 @@ from torch.utils.checkpoint import checkpoint
 from nemo_ckpt.models.gpt.moe import MoELayer, moe_layer_pattern, validate_moe_config
 from nemo_ckpt.parallel.context_parallel import ContextParallel
 
+POSITIVE_SIZES = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length")
+
 
 @dataclass
 class GPTConfig:
@@ -53,6 +55,10 @@ class GPTConfig:
     moe_shared_expert_intermediate_size: int | None = None
 
     def __post_init__(self) -> None:
+        for name in POSITIVE_SIZES:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GPTConfig.{name}={value!r}: use a positive integer")
         validate_moe_config(self)
         if self.make_vocab_size_divisible_by < 1:
             raise ValueError(
