@@ -3,7 +3,8 @@
 `check_task(task)` builds the parts of a recipe that are cheap to build (data module with its tokenizer and
 datasets, model, logger, resume settings; not the Trainer) and decides what the run would start from exactly as
 `pretrain` does (`nemo_ckpt.api.resolve_start`): so unknown options, missing paths, a bad tokenizer, a resume or
-restore path that is not a complete checkpoint, a checkpoint directory it cannot resume, and a model vocabulary
+restore path that is not a complete checkpoint, a checkpoint directory it cannot resume or that another run is
+writing (its writer lock), and a model vocabulary
 smaller than the tokenizer's fail here, named, instead of minutes later on every rank. The `nemo` command line runs
 it before it starts torchrun or submits a job.
 """
@@ -13,12 +14,13 @@ from typing import Any
 import fiddle as fdl
 
 from nemo_ckpt.api import finetune, resolve_start, restore_config_of
+from nemo_ckpt.checkpoint.lock import DirectoryLock
 from nemo_ckpt.checkpoint.resume import AutoResume
 from nemo_ckpt.logger import NeMoLogger
 from nemo_ckpt.options import check_config_options
 from nemo_ckpt.parallel.mesh import PARALLEL_SIZE_OPTIONS, ParallelDims
 
-USER_ERRORS = (ValueError, TypeError, KeyError, OSError)
+USER_ERRORS = (ValueError, TypeError, KeyError, OSError, RuntimeError)
 
 
 class PreflightError(ValueError):
@@ -38,6 +40,8 @@ def check_task(task: fdl.Buildable) -> None:
     strategy = _argument(_argument(task, "trainer"), "strategy")
     load_optimizer = _argument(strategy, "ckpt_load_optimizer", True)
     try:
+        if log.ckpt is not None:
+            DirectoryLock(log.checkpoint_dir).check_free()
         if fdl.get_callable(task) is finetune:
             restore_config_of(resume)
         if model is not None and data is not None:

@@ -11,6 +11,7 @@
     <name>-last -> <name>            symlink to the newest checkpoint
     .tmp-<name>/                     a save in progress (or a link being replaced)
     .trash-<name>/                   a deletion in progress
+    .writer.lock                     held (flock) by the run writing here; records its host, pid, Slurm job
 """
 
 from pathlib import Path
@@ -24,6 +25,7 @@ HF_ARTIFACTS_DIR = "hf"
 LAST_SUFFIX = "-last"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
+LOCK_NAME = ".writer.lock"
 
 
 def weights_dir(checkpoint: str | Path) -> Path:

@@ -29,6 +29,7 @@ class CheckpointRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     state: str = "saving"
     weights_only: bool = False
+    lineage: str | None = None  # the chain of runs that wrote it (a run and the runs resumed from it); None: 0.2
 
     def __post_init__(self) -> None:
         if self.state not in STATES:

@@ -41,6 +41,7 @@ from nemo_ckpt.checkpoint.layout import (
     is_complete,
     weights_dir,
 )
+from nemo_ckpt.checkpoint.lock import DirectoryLock
 from nemo_ckpt.checkpoint.manifest import CheckpointRecord, Manifest
 from nemo_ckpt.dist_checkpointing.core import fsync_path
 from nemo_ckpt.options import strict_options
@@ -63,6 +64,12 @@ def default_filename(monitor: str | None) -> str:
 
 def template_fields(template: str) -> set[str]:
     return {field for _, field, _, _ in string.Formatter().parse(template) if field}
+
+
+def lineage_of(checkpoint: Path) -> str | None:
+    """The lineage of `checkpoint` from its directory's manifest (None for checkpoints of 0.2 and foreign ones)."""
+    record = Manifest.read(checkpoint.parent).get(checkpoint.name)
+    return None if record is None else record.lineage
 
 
 def run_on_rank_zero(trainer: pl.Trainer, fn: Callable[[], Any], what: str) -> Any:
@@ -93,6 +100,9 @@ class ModelCheckpoint(Callback):
     False it holds the weights only, which `AutoResume` resumes only with `ckpt_load_optimizer=False`.
     `filename` is a `str.format` template over `step` (required), `epoch` and the logged metrics (`/` read as
     `_`); `step` is the number of optimizer steps taken, the step a run resumed from it continues at.
+    A run holds the directory's writer lock from set-up to teardown (`checkpoint/lock.py`): a second run on it is
+    refused at set-up, naming the holder. Each checkpoint records its lineage (a fresh run starts one, a resumed run
+    continues its checkpoint's); retention deletes only checkpoints of the run's own lineage.
     """
 
     def __init__(
@@ -154,6 +164,8 @@ class ModelCheckpoint(Callback):
         self._last_save_time = time.monotonic()
         self._validation_ran = False
         self._trash_remover: ThreadPoolExecutor | None = None
+        self._lock: DirectoryLock | None = None
+        self.lineage: str | None = None
 
     # Lightning hooks
 
@@ -168,12 +180,15 @@ class ModelCheckpoint(Callback):
             f"ModelCheckpoint(dirpath={str(self.dirpath)!r}) is not "
             "writable; choose a writable dirpath (or NeMoLogger.log_dir): checking it",
         )
+        self._lock = DirectoryLock(self.dirpath)
+        run_on_rank_zero(trainer, self._lock.acquire, f"ModelCheckpoint: taking the writer lock of {self.dirpath}")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         resumed = trainer.ckpt_path is not None
         run_on_rank_zero(trainer, lambda: self.recover(resumed), f"ModelCheckpoint: recovering {self.dirpath}")
         self._last_saved_step = trainer.global_step if resumed else None
         self._last_saved_path = Path(trainer.ckpt_path) if resumed else None
+        self.lineage = lineage_of(Path(trainer.ckpt_path)) if resumed else uuid.uuid4().hex
         self._last_save_time = time.monotonic()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -201,6 +216,12 @@ class ModelCheckpoint(Callback):
         if self._trash_remover is not None:  # deleted checkpoints are gone when fit returns
             self._trash_remover.shutdown(wait=True)
             self._trash_remover = None
+        if self._lock is not None:
+            self._lock.release()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._lock is not None:  # a failed fit calls no teardown hooks; the next run in this process may write
+            self._lock.release()
 
     # Saving
 
@@ -235,7 +256,9 @@ class ModelCheckpoint(Callback):
         if trainer.global_step == self._last_saved_step and self._last_saved_path is not None:
             return self._last_saved_path
         name, metrics = run_on_rank_zero(trainer, lambda: self.format_name(trainer), "ModelCheckpoint: naming")
-        record = CheckpointRecord(name, trainer.global_step, trainer.current_epoch, metrics, "saving", weights_only)
+        record = CheckpointRecord(
+            name, trainer.global_step, trainer.current_epoch, metrics, "saving", weights_only, self.lineage
+        )
         tmp = self.dirpath / f"{TMP_PREFIX}{name}"
         replaced = run_on_rank_zero(
             trainer, lambda: self._begin(record, tmp, trainer), f"ModelCheckpoint: preparing {tmp}"
@@ -397,8 +420,9 @@ class ModelCheckpoint(Callback):
                 other.unlink()
 
     def stale_checkpoints(self, manifest: Manifest) -> list[CheckpointRecord]:
-        """Complete checkpoints that nothing keeps: not top-k, not the best, not `-last` or the newest resumable."""
-        complete = manifest.complete()
+        """Complete checkpoints of this run's lineage that nothing keeps: not top-k, not the best, not `-last` or the
+        newest resumable. Checkpoints another lineage wrote are never deleted."""
+        complete = [record for record in manifest.complete() if record.lineage == self.lineage]
         if self.save_top_k == -1:
             return []
         ranked = self._ranked(complete)
