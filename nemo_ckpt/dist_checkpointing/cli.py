@@ -1,6 +1,7 @@
 """`python -m nemo_ckpt inspect|consolidate|verify`: look into, flatten and check distributed checkpoints.
 
-Each takes a `dist_checkpointing` directory or a training checkpoint (whose `weights/` directory it finds).
+Each takes a `dist_checkpointing` directory or a training checkpoint (whose `weights/` directory it finds; `verify`
+checks its `context/` too).
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from .core import CheckpointingException, maybe_load_config
-from .integrity import print_progress, verify_checkpoint
+from .integrity import Corruption, check_directory, print_progress, verify_checkpoint, written_with_checksums
 from .serialization import load, load_common_state_dict, load_tensors_metadata
 from .strategies.torch import SafeFileSystemReader
 from .validation import verify_checkpoint_and_load_strategy
 
 OPTIMIZER_PREFIX = "optimizer."  # Megatron-Core's and NeMo's optimizer state keys; every other tensor is the model's
 TORCH_METADATA = ".metadata"
+CONTEXT_DIR = "context"  # a training checkpoint's stored configs, beside `weights/`
 
 
 def weights_directory(checkpoint: str | Path) -> Path:
@@ -114,8 +116,10 @@ def consolidate(
 
 
 def verify(checkpoint: str, threads: int = 4) -> int:
-    """Print each corrupt range of `checkpoint`; 0 if intact, 1 if corrupt or not a checkpoint, 2 if it holds no
-    checksums."""
+    """Print each corrupt range of `checkpoint` (and of a training checkpoint's `context/`); 0 if intact, 1 if
+    corrupt, not a checkpoint, or saved with checksums that are missing now, 2 if it holds no checksums (a
+    checkpoint of Megatron-Core, NeMo or another tool)."""
+    check_directory(checkpoint)
     directory = weights_directory(checkpoint)
     corruptions = verify_checkpoint(directory, threads, print_progress)
     if corruptions is None:
@@ -123,14 +127,17 @@ def verify(checkpoint: str, threads: int = 4) -> int:
             raise CheckpointingException(
                 f"{directory} is not a distributed checkpoint: it holds no metadata.json or {TORCH_METADATA}"
             )
-        print(f"{directory}: no checksums stored (saved without them, or by another tool): nothing to verify")
+        print(f"{directory}: no checksums stored (saved by Megatron-Core, NeMo or another tool): nothing to verify")
         return 2
-    for corruption in corruptions:
-        print(
-            f"CORRUPT {directory / corruption.file}: bytes [{corruption.start}, {corruption.stop}): {corruption.reason}"
-        )
-    print(f"{directory}: {'corrupt' if corruptions else 'intact'} ({len(corruptions)} corrupt ranges)")
-    return 1 if corruptions else 0
+    found: list[tuple[Path, Corruption]] = [(directory, corruption) for corruption in corruptions]
+    context = Path(checkpoint) / CONTEXT_DIR
+    if directory != Path(checkpoint) and context.is_dir():
+        required = written_with_checksums(directory)
+        found += [(context, c) for c in verify_checkpoint(context, threads, print_progress, required) or []]
+    for where, corruption in found:
+        print(f"CORRUPT {where / corruption.file}: bytes [{corruption.start}, {corruption.stop}): {corruption.reason}")
+    print(f"{checkpoint}: {'corrupt' if found else 'intact'} ({len(found)} corrupt ranges)")
+    return 1 if found else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,13 +43,31 @@ def maybe_load_config(checkpoint_dir: str | Path) -> CheckpointingConfig | None:
     config_path = os.path.join(checkpoint_dir, CONFIG_FNAME)
     if not os.path.isfile(config_path):
         return None
+    with open(config_path, "rb") as f:
+        return parse_config(f.read(), config_path)
+
+
+def parse_config(data: bytes, config_path: str | Path) -> CheckpointingConfig:
+    """The checkpoint config stored as `data` in `config_path`; CheckpointingException if it is not one."""
     try:
-        with open(config_path) as f:
-            config_dict = json.load(f)
+        config_dict = json.loads(data)
+        if not isinstance(config_dict, dict):
+            raise TypeError(f"a JSON {type(config_dict).__name__}, not an object")
         known = {f.name for f in dataclasses.fields(CheckpointingConfig)}
-        return CheckpointingConfig(**{k: v for k, v in config_dict.items() if k in known})
+        config = CheckpointingConfig(**{k: v for k, v in config_dict.items() if k in known})
+        for field in dataclasses.fields(config):
+            value = getattr(config, field.name)
+            expected = int if field.name.endswith("version") else str
+            if type(value) is not expected:
+                raise TypeError(f"{field.name}={value!r} is not a {expected.__name__}")
+        return config
     except (ValueError, TypeError) as e:
         raise CheckpointingException(f"{config_path} is not a valid checkpoint config: {e}") from e
+
+
+def config_document(config: CheckpointingConfig) -> bytes:
+    """The content of `metadata.json` for `config`."""
+    return json.dumps(dataclasses.asdict(config)).encode()
 
 
 def fsync_path(path: str | Path) -> None:
@@ -74,6 +92,6 @@ def save_config(config: CheckpointingConfig, checkpoint_dir: str | Path) -> None
     with its directory, so a power loss cannot leave an empty file)."""
     config_path = os.path.join(checkpoint_dir, CONFIG_FNAME)
     tmp_path = config_path + ".tmp"
-    write_durably(tmp_path, lambda f: f.write(json.dumps(dataclasses.asdict(config)).encode()))
+    write_durably(tmp_path, lambda f: f.write(config_document(config)))
     os.replace(tmp_path, config_path)
     fsync_path(checkpoint_dir)

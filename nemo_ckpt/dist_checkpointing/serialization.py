@@ -14,9 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .core import CONFIG_FNAME, CheckpointingConfig, CheckpointingException, save_config
+from .core import CONFIG_FNAME, CheckpointingConfig, CheckpointingException, config_document, save_config
 from .dict_utils import extract_matching_values, merge
-from .integrity import raise_if_corrupt
+from .integrity import record_file_checksum
 from .mapping import (
     CommonStateDict,
     ShardedObject,
@@ -51,11 +51,24 @@ CkptShardedMetadata = dict[str, ShardedTensor | ShardedObject]
 _CONTENT_METADATA_KEY = "content_metadata"
 
 
-def _with_unsafe_pickle(strategy: Any, allow_unsafe_pickle: bool) -> Any:
-    """A copy of `strategy` that may unpickle anything, if asked and supported."""
-    if allow_unsafe_pickle and hasattr(strategy, "allow_unsafe_pickle"):
+def _configured(strategy: Any, allow_unsafe_pickle: bool, verify: bool) -> Any:
+    """`strategy` (or a copy, also of the strategy it wraps) that may unpickle anything if `allow_unsafe_pickle`,
+    and checks checksums as `verify` says, where it supports these."""
+    base = getattr(strategy, "base_strategy", None)
+    if base is not None:
+        configured = _configured(base, allow_unsafe_pickle, verify)
+        if configured is base:
+            return strategy
         strategy = copy.copy(strategy)
-        strategy.allow_unsafe_pickle = True
+        strategy.base_strategy = configured
+        return strategy
+    changes = {"verify_checksums": verify} | ({"allow_unsafe_pickle": True} if allow_unsafe_pickle else {})
+    changes = {name: value for name, value in changes.items() if hasattr(strategy, name)}
+    if all(getattr(strategy, name) == value for name, value in changes.items()):
+        return strategy
+    strategy = copy.copy(strategy)
+    for name, value in changes.items():
+        setattr(strategy, name, value)
     return strategy
 
 
@@ -67,7 +80,7 @@ def load(
     validate_access_integrity: bool = True,
     strict: str | StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
     allow_unsafe_pickle: bool = False,
-    verify: bool = False,
+    verify: bool = True,
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """Load the parts of a checkpoint described by `sharded_state_dict`.
 
@@ -84,21 +97,20 @@ def load(
         strict: a `StrictHandling` value (or its string) for key mismatches.
         allow_unsafe_pickle: unpickle common data and ShardedObjects without the
             allow-list. Only for trusted checkpoints.
-        verify: first check the checkpoint's files against their stored checksums (`integrity.py`) and raise
-            `CorruptCheckpointError` naming each corrupt file and byte range; checkpoints written without
-            checksums load as usual.
+        verify: check every byte read against the checksums stored at save (`integrity.py`), as it is read, and
+            raise `CorruptCheckpointError` naming each corrupt file and byte range before returning anything;
+            checkpoints of other tools (no checksums) load as usual, ours whose `checksums.json` is missing raise
+            `MissingChecksumsError`. False: nothing is checked.
 
     Returns:
         The state dict, or `(state_dict, missing_keys, unexpected_keys)` for
         `return_unexpected`/`return_all`.
     """
-    if verify:
-        raise_if_corrupt(checkpoint_dir)
     sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
-        checkpoint_dir, sharded_strategy, common_strategy
+        checkpoint_dir, sharded_strategy, common_strategy, verify
     )
-    sharded_strategy = _with_unsafe_pickle(sharded_strategy, allow_unsafe_pickle)
-    common_strategy = _with_unsafe_pickle(common_strategy, allow_unsafe_pickle)
+    sharded_strategy = _configured(sharded_strategy, allow_unsafe_pickle, verify)
+    common_strategy = _configured(common_strategy, allow_unsafe_pickle, verify)
     checkpoint_dir = Path(checkpoint_dir)
 
     common_state_dict = common_strategy.load_common(checkpoint_dir)
@@ -134,15 +146,18 @@ def load(
     return common_state_dict
 
 
-def get_default_load_sharded_strategy(checkpoint_dir: str | Path) -> LoadShardedStrategy:
-    """The load strategy of the format `checkpoint_dir` was saved in (from its metadata.json)."""
-    return verify_checkpoint_and_load_strategy(checkpoint_dir)[0]
+def get_default_load_sharded_strategy(checkpoint_dir: str | Path, verify: bool = True) -> LoadShardedStrategy:
+    """The load strategy of the format `checkpoint_dir` was saved in (from its metadata.json), checking checksums
+    as `verify` says."""
+    return _configured(verify_checkpoint_and_load_strategy(checkpoint_dir, verify=verify)[0], False, verify)
 
 
-def load_common_state_dict(checkpoint_dir: str | Path, allow_unsafe_pickle: bool = False) -> StateDict:
+def load_common_state_dict(
+    checkpoint_dir: str | Path, allow_unsafe_pickle: bool = False, verify: bool = True
+) -> StateDict:
     """Only the common (non-sharded) state dict of a checkpoint: no tensor data is read."""
-    _, common_strategy = verify_checkpoint_and_load_strategy(checkpoint_dir)
-    return _with_unsafe_pickle(common_strategy, allow_unsafe_pickle).load_common(Path(checkpoint_dir))
+    _, common_strategy = verify_checkpoint_and_load_strategy(checkpoint_dir, verify=verify)
+    return _configured(common_strategy, allow_unsafe_pickle, verify).load_common(Path(checkpoint_dir))
 
 
 def load_tensors_metadata(
@@ -285,9 +300,11 @@ def _then_write(request: AsyncRequest, write: Callable[[], None]) -> AsyncReques
 
 
 def _finalize_save(config: CheckpointingConfig, checkpoint_dir: Path) -> None:
-    """Once every rank's data is written, rank 0 writes metadata.json, the completeness marker."""
+    """Once every rank's data is written, rank 0 adds the checksum of metadata.json to the checkpoint's (if any)
+    and writes metadata.json, the completeness marker."""
     barrier()
     if get_rank() == 0:
+        record_file_checksum(checkpoint_dir, CONFIG_FNAME, config_document(config))
         save_config(config, checkpoint_dir)
     barrier()
 

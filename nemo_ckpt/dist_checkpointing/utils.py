@@ -6,6 +6,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .core import CheckpointingException
 from .dict_utils import dict_list_map_inplace, extract_matching_values
 from .mapping import (
     LocalNonpersistentObject,
@@ -37,6 +38,24 @@ def barrier() -> None:
     """A barrier over all ranks; nothing without torch.distributed."""
     if dist_ready():
         dist.barrier()
+
+
+def raise_on_every_rank(error: Exception | None, what: str, group: dist.ProcessGroup | None = None) -> None:
+    """Collective over `group`: if `error` happened on any rank, raise on every rank (it on the ranks where it
+    happened, a `CheckpointingException` naming the first failed rank and its error on the others), so that no
+    rank goes on to a collective its peers never reach."""
+    if not dist_ready() or dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    failures: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(failures, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    if error is not None:
+        raise error
+    failed = [(rank, failure) for rank, failure in enumerate(failures) if failure is not None]
+    if failed:
+        rank, failure = failed[0]
+        raise CheckpointingException(f"{what} failed on rank {rank} of its group ({len(failed)} failed): {failure}")
 
 
 def extract_sharded_tensors(sharded_state_dict: ShardedStateDict) -> tuple[ShardedStateDict, StateDict]:

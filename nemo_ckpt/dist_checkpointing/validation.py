@@ -12,8 +12,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .core import CONFIG_FNAME, CheckpointingException, maybe_load_config
+from .core import CONFIG_FNAME, CheckpointingException, parse_config
 from .dict_utils import diff, extract_matching_values, nested_values
+from .integrity import check_directory, read_verified
 from .mapping import (
     CommonStateDict,
     ShardedBase,
@@ -254,15 +255,17 @@ def verify_checkpoint_and_load_strategy(
     checkpoint_dir: str | Path,
     sharded_strategy: LoadShardedStrategy | tuple[str, int] | None = None,
     common_strategy: LoadCommonStrategy | tuple[str, int] | None = None,
+    verify: bool = True,
 ) -> tuple[LoadShardedStrategy, LoadCommonStrategy]:
-    """Check that `checkpoint_dir` is a checkpoint and pick load strategies from its metadata.json."""
-    if not os.path.isdir(checkpoint_dir):
-        raise CheckpointingException(f"Checkpoint directory {checkpoint_dir} does not exist")
-    config = maybe_load_config(checkpoint_dir)
-    if config is None:
+    """Check that `checkpoint_dir` is a checkpoint and pick load strategies from its metadata.json (checked against
+    its checksum with `verify`; a checkpoint saved with checksums that lost them raises `MissingChecksumsError`)."""
+    check_directory(checkpoint_dir)
+    if not os.path.isfile(os.path.join(checkpoint_dir, CONFIG_FNAME)):
         raise CheckpointingException(
             f"{checkpoint_dir} is not a distributed checkpoint: {os.path.join(checkpoint_dir, CONFIG_FNAME)} is missing"
         )
+    data = read_verified(checkpoint_dir, CONFIG_FNAME, verify)
+    config = parse_config(data, os.path.join(checkpoint_dir, CONFIG_FNAME))
     if sharded_strategy is None:
         sharded_strategy = default_load_sharded_strategy(config.sharded_backend, config.sharded_backend_version)
     elif isinstance(sharded_strategy, tuple):

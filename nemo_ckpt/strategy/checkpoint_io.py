@@ -12,7 +12,8 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from torch.distributed import ProcessGroup
 
 from nemo_ckpt import dist_checkpointing
-from nemo_ckpt.checkpoint.layout import weights_dir
+from nemo_ckpt.checkpoint.layout import context_dir, weights_dir
+from nemo_ckpt.dist_checkpointing.integrity import MissingChecksumsError, raise_if_corrupt, written_with_checksums
 from nemo_ckpt.dist_checkpointing.mapping import ShardedBase
 from nemo_ckpt.dist_checkpointing.serialization import get_default_load_sharded_strategy
 from nemo_ckpt.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncSaveFailure
@@ -23,6 +24,7 @@ from nemo_ckpt.dist_checkpointing.strategies.fully_parallel import (
 )
 from nemo_ckpt.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from nemo_ckpt.dist_checkpointing.strategies.writer_process import shared_memory_available, shared_writer_process
+from nemo_ckpt.dist_checkpointing.utils import raise_on_every_rank
 from nemo_ckpt.dist_checkpointing.validation import parse_strict_flag
 from nemo_ckpt.options import strict_options
 
@@ -47,9 +49,15 @@ class MissingOptimizerStateError(KeyError):
         return str(self.args[0])
 
 
-def require_optimizer_state(path: str | Path) -> None:
-    """Raise `MissingOptimizerStateError` if checkpoint `path` holds no optimizer state (weights only)."""
-    if "optimizer_states" not in dist_checkpointing.load_common_state_dict(weights_dir(path)):
+def require_optimizer_state(path: str | Path, verify: bool = True) -> None:
+    """Raise `MissingOptimizerStateError` if checkpoint `path` holds no optimizer state (weights only). Its common
+    state is checked against its checksum with `verify`; a checkpoint that lost its checksums is read unverified
+    here, the load that follows refuses it unless verification is off."""
+    try:
+        common = dist_checkpointing.load_common_state_dict(weights_dir(path), verify=verify)
+    except MissingChecksumsError:
+        common = dist_checkpointing.load_common_state_dict(weights_dir(path), verify=False)
+    if "optimizer_states" not in common:
         raise MissingOptimizerStateError(
             f"{path} holds no optimizer state (a weights-only checkpoint, e.g. saved at the end of training with "
             "ModelCheckpoint(save_optim_on_train_end=False)): set trainer.strategy.ckpt_load_optimizer=False to resume "
@@ -84,8 +92,11 @@ class DistCheckpointOptions:
         rank (None: no limit), so a stuck file system cannot block training forever.
     ckpt_async_save_failure: what a failed async save does at its finalize: 'raise' (stop the run) or 'warn'
         (log it, discard that checkpoint, keep training; the next interval saves again).
-    ckpt_verify_on_load: check a checkpoint's files against the checksums stored at save before loading it
-        (`python -m nemo_ckpt verify` does the same offline); checkpoints saved without checksums load as usual.
+    ckpt_verify_on_load: check every byte a load reads against the CRC32C checksums stored at save, as it is read
+        (and the checkpoint's `context/` files), raising `CorruptCheckpointError` (file, byte range) before any
+        loaded value is used; `python -m nemo_ckpt verify` checks every file offline. A checkpoint we saved whose
+        `checksums.json` is missing is refused (`MissingChecksumsError`); those of Megatron-Core or NeMo (no
+        checksums) load unverified. False: nothing is checked, a checkpoint that lost its checksums loads.
     ckpt_async_writer_process: with `ckpt_async_save` and `ckpt_assume_constant_structure`, a persistent process
         per rank (as Megatron-LM's `--use-persistent-ckpt-worker`) writes the saves from the kept CPU copies, which
         then live in shared memory, instead of a thread of the training process: the writer no longer shares the
@@ -111,7 +122,7 @@ class DistCheckpointOptions:
     ckpt_load_strictness: str | None = None
     ckpt_async_save_timeout: float | None = None
     ckpt_async_save_failure: str = "raise"
-    ckpt_verify_on_load: bool = False
+    ckpt_verify_on_load: bool = True
     ckpt_async_writer_process: bool = False
     ckpt_async_overlap_staging: bool = False
 
@@ -217,7 +228,7 @@ class DistCheckpointIO(CheckpointIO):
         )
 
     def _load_strategy(self, source: Path) -> Any:
-        strategy = get_default_load_sharded_strategy(source)
+        strategy = get_default_load_sharded_strategy(source, verify=self.options.ckpt_verify_on_load)
         strategy.load_directly_on_device = self.options.ckpt_load_directly_on_device
         if self.options.ckpt_parallel_load:
             strategy = FullyParallelLoadStrategyWrapper(strategy, parallelization_group=self.data_parallel_group)
@@ -290,13 +301,18 @@ class DistCheckpointIO(CheckpointIO):
         source = weights_dir(path)
         strictness = self.options.ckpt_load_strictness
         strict = {} if strictness is None else {"strict": strictness}
-        return dist_checkpointing.load(
-            sharded_state_dict,
-            source,
-            sharded_strategy=self._load_strategy(source),
-            verify=self.options.ckpt_verify_on_load,
-            **strict,
-        )
+        verify = self.options.ckpt_verify_on_load
+        error, loaded = None, {}
+        try:
+            if verify and context_dir(path).is_dir():  # saved with the weights' marker: it has checksums too
+                raise_if_corrupt(context_dir(path), required=written_with_checksums(source))
+            loaded = dist_checkpointing.load(
+                sharded_state_dict, source, sharded_strategy=self._load_strategy(source), verify=verify, **strict
+            )
+        except Exception as e:  # a corrupt file read by one rank stops every rank, none goes on to train
+            error = e
+        raise_on_every_rank(error, f"Loading checkpoint {path}")
+        return loaded
 
     def remove_checkpoint(self, path: str | Path) -> None:
         shutil.rmtree(path, ignore_errors=True)

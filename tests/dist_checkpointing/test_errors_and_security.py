@@ -11,6 +11,7 @@ import torch
 
 from nemo_ckpt import dist_checkpointing as dc
 from nemo_ckpt.dist_checkpointing import ShardedObject, ShardedTensor
+from nemo_ckpt.dist_checkpointing.integrity import CHECKSUMS_FNAME, CorruptCheckpointError
 from nemo_ckpt.dist_checkpointing.safe_globals import SAFE_GLOBALS, UnsafeCheckpointError, register_safe_globals
 
 
@@ -75,10 +76,13 @@ def test_unknown_backend(tmp_path):
     _save(tmp_path)
     config = json.loads((tmp_path / "metadata.json").read_text())
     (tmp_path / "metadata.json").write_text(json.dumps({**config, "sharded_backend": "zarr2"}))
+    written = r"metadata.json bytes \[\d+, \d+\): the file has \d+ bytes, 119 were written"
+    with pytest.raises(CorruptCheckpointError, match=written):
+        dc.load(_request(), tmp_path)
     with pytest.raises(
         dc.CheckpointingException, match=r"Cannot find a default strategy for: \('load_sharded', 'zarr2', 1\)"
     ):
-        dc.load(_request(), tmp_path)
+        dc.load(_request(), tmp_path, verify=False)
 
 
 def test_missing_key_shape_and_dtype_mismatch(tmp_path):
@@ -103,14 +107,18 @@ def test_truncated_missing_or_corrupt_data_files(tmp_path):
     data = open(path, "rb").read()
     with open(path, "wb") as f:
         f.write(data[: len(data) // 2])
-    with pytest.raises(
-        dc.CheckpointingException, match=rf"{path.name} is truncated: \d+ bytes, but key '\w' needs \d+"
-    ):
-        dc.load(_request(), tmp_path)
+    for verify in (True, False):  # found from the sizes in .metadata, before any data is read
+        with pytest.raises(
+            CorruptCheckpointError,
+            match=rf"{path.name} bytes \[\d+, \d+\): truncated: the file has \d+ bytes, but key '\w' needs \d+",
+        ):
+            dc.load(_request(), tmp_path, verify=verify)
     with open(path, "wb") as f:
         f.write(b"\0" * len(data))
-    with pytest.raises(dc.CheckpointingException, match=r"Failed to read checkpoint"):
+    with pytest.raises(CorruptCheckpointError, match=rf"{path.name} bytes \[0, \d+\): checksum mismatch"):
         dc.load(_request(), tmp_path)
+    with pytest.raises(dc.CheckpointingException, match=r"Failed to read checkpoint"):
+        dc.load(_request(), tmp_path, verify=False)
     os.remove(path)
     with pytest.raises(dc.CheckpointingException, match=rf"Checkpoint file .*{path.name} is missing \(needed for key"):
         dc.load(_request(), tmp_path)
@@ -163,7 +171,8 @@ def test_malicious_pickles_are_not_executed(tmp_path):
     with pytest.raises(UnsafeCheckpointError, match="builtins.open|io.open"):
         dc.load_common_state_dict(ckpt)
     assert not marker.exists()
-    # a crafted DCP .metadata is refused too
+    # a crafted DCP .metadata (of a checkpoint without checksums, which would refuse it as corrupt) is refused too
+    os.remove(ckpt / CHECKSUMS_FNAME)
     with open(ckpt / ".metadata", "wb") as f:
         pickle.dump(Evil(str(marker)), f)
     with pytest.raises(UnsafeCheckpointError, match=r"Refused to read .*\.metadata"):

@@ -12,6 +12,8 @@ from tests.helpers.megatron import importorskip_megatron_core
 importorskip_megatron_core("megatron.core.dist_checkpointing")
 
 from nemo_ckpt import dist_checkpointing as ours  # noqa: E402
+from nemo_ckpt.dist_checkpointing import cli  # noqa: E402
+from nemo_ckpt.dist_checkpointing.integrity import verify_checkpoint  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
 FULL = torch.arange(8 * 6, dtype=torch.float32).view(8, 6)
@@ -64,6 +66,8 @@ def _ours_load(rank: int, ws: int, ckpt: str, saved_ws: int) -> None:
 def test_megatron_checkpoint_loads_here_at_any_world_size(tmp_path):
     run_distributed(_megatron_save, 2, str(tmp_path))
     assert not (tmp_path / "common.pt").exists()  # 0.19 keeps common data in the 'common_state' object
+    assert verify_checkpoint(tmp_path) is None  # recognised as another tool's: no checksums, loads unverified
+    assert cli.main(["verify", str(tmp_path)]) == 2
     assert ours.load_common_state_dict(tmp_path)["iteration"] == 7
     assert ours.load_content_metadata(tmp_path) == {"by": "megatron"}
     assert torch.equal(ours.load_plain_tensors(tmp_path)["decoder.w"], FULL)

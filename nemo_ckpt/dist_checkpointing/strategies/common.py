@@ -12,6 +12,7 @@ import torch
 
 from ..core import CheckpointingException, fsync_path, write_durably
 from ..dict_utils import dict_list_map_outplace, nested_values
+from ..integrity import read_verified
 from ..mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
 from ..safe_globals import UnsafeCheckpointError, safe_torch_load
 from ..utils import get_rank
@@ -56,12 +57,14 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
 
 class TorchCommonLoadStrategy(LoadCommonStrategy):
     """Reads `common.pt` (or, for checkpoints without it, the `common_state` object that
-    Megatron-Core >= 0.19 stores in the torch_dist data) with the safe unpickler."""
+    Megatron-Core >= 0.19 stores in the torch_dist data) with the safe unpickler, checked against its checksum
+    first (`verify_checksums`)."""
 
     backend = "torch"
 
-    def __init__(self, allow_unsafe_pickle: bool = False) -> None:
+    def __init__(self, allow_unsafe_pickle: bool = False, verify_checksums: bool = True) -> None:
         self.allow_unsafe_pickle = allow_unsafe_pickle
+        self.verify_checksums = verify_checksums
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -70,9 +73,10 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
     def load_common(self, checkpoint_dir: Path) -> StateDict:
         path = os.path.join(checkpoint_dir, COMMON_STATE_FNAME)
         if os.path.isfile(path):
-            return safe_torch_load(path, f"common state file {path}", self.allow_unsafe_pickle)
+            data = read_verified(checkpoint_dir, COMMON_STATE_FNAME, self.verify_checksums)
+            return safe_torch_load(io.BytesIO(data), f"common state file {path}", self.allow_unsafe_pickle)
         try:
-            return load_common_state_object(Path(checkpoint_dir), self.allow_unsafe_pickle)
+            return load_common_state_object(Path(checkpoint_dir), self.allow_unsafe_pickle, self.verify_checksums)
         except UnsafeCheckpointError:
             raise
         except CheckpointingException as e:

@@ -11,6 +11,11 @@ descriptor each, `READ_CHUNK` bytes per read (one stream per file leaves the dis
 requests), the next items' reads queued while an item completes (no idle readers between items).
 Items it does not understand (transforms, other byte orders, compressed or unknown entries,
 other pickles) are returned for DCP's own reader.
+
+With the checkpoint's checksums (`integrity.FileVerifier`), reads are also split where checksum ranges start, the
+reader that read a piece computes its CRC32C right after, and every range holding a byte that was used is checked
+before `read_items` returns (a ShardedObject's bytes before they are unpickled); what a range holds beyond the
+bytes read (the rest of a tensor a rank reads part of, items left to DCP's reader) is read for it.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from ..._compat import storage_type_dtypes
 from ..core import CheckpointingException
+from ..integrity import Checksums, FileVerifier
 
 EDGE_BYTES = 4096  # read at both ends of an item: the zip's metadata
 READ_CHUNK = 8 << 20  # bytes per read call of a large tensor
@@ -105,17 +111,23 @@ class _ItemView:
     hold the zip's metadata (`data.pkl`, `byteorder`, local headers, central directory).
     """
 
-    def __init__(self, fd: int, offset: int, length: int) -> None:
-        self.fd, self.offset, self.length, self.pos = fd, offset, length, 0
+    def __init__(self, fd: int, offset: int, length: int, verifier: FileVerifier | None = None) -> None:
+        self.fd, self.offset, self.length, self.pos, self.verifier = fd, offset, length, 0, verifier
         if length <= 2 * EDGE_BYTES:
             self.head = self.tail = os.pread(fd, length, offset)
         else:
             self.head = os.pread(fd, EDGE_BYTES, offset)
             self.tail = os.pread(fd, EDGE_BYTES, offset + length - EDGE_BYTES)
+        if verifier is not None:  # kept to check the records parsed from them (`get`), not the tensor bytes
+            verifier.add_bytes(offset, self.head, used=False)
+            if self.tail is not self.head:
+                verifier.add_bytes(offset + length - len(self.tail), self.tail, used=False)
 
     def get(self, pos: int, n: int) -> bytes:
         if pos < 0 or pos + n > self.length:
             raise ValueError(f"bytes [{pos}, {pos + n}) are outside the item")
+        if self.verifier is not None:
+            self.verifier.require(self.offset + pos, self.offset + pos + n)
         tail_start = self.length - len(self.tail)
         if pos + n <= len(self.head):
             return self.head[pos : pos + n]
@@ -150,9 +162,10 @@ def _stored_entry(view: _ItemView, info: zipfile.ZipInfo) -> tuple[int, int]:
     return info.header_offset + _LOCAL_HEADER.size + name_len + extra_len, info.file_size
 
 
-def locate_tensor(fd: int, offset: int, length: int) -> RawTensor | None:
-    """The raw layout of the `torch.save`d plain tensor at `offset`; None if it is anything else."""
-    view = _ItemView(fd, offset, length)
+def locate_tensor(fd: int, offset: int, length: int, verifier: FileVerifier | None = None) -> RawTensor | None:
+    """The raw layout of the `torch.save`d plain tensor at `offset`; None if it is anything else. The bytes it reads
+    are registered with `verifier`."""
+    view = _ItemView(fd, offset, length, verifier)
     try:
         with zipfile.ZipFile(view) as archive:
             entries = {info.filename.split("/", 1)[-1]: info for info in archive.infolist()}
@@ -190,7 +203,8 @@ class _ReadStreams:
     reads of `READ_CHUNK` bytes (on multiples of `READ_CHUNK` in the file) are queued in file order. Readers
     sharing one descriptor at interleaved offsets defeat the kernel's readahead: 2-20% slower in our A/B runs."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, verifier: FileVerifier | None = None) -> None:
+        self.verifier = verifier
         self.fds: list[int] = []
         self.readers: list[ThreadPoolExecutor] = []
         try:
@@ -203,15 +217,19 @@ class _ReadStreams:
             raise
 
     def submit(self, tensor: torch.Tensor, offset: int) -> list[Future]:
-        """Reads filling the contiguous CPU `tensor` with the file's bytes at `offset`."""
+        """Reads filling the contiguous CPU `tensor` with the file's bytes at `offset` (split where checksum ranges
+        start, each piece's CRC32C computed by its reader)."""
         nbytes = tensor.numel() * tensor.element_size()
         view = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
         reads, start = [], 0
         while start < nbytes:
             position = offset + start
             end = min(nbytes, start + READ_CHUNK - position % READ_CHUNK)
+            boundary = self.verifier.next_boundary(position) if self.verifier is not None else None
+            if boundary is not None:
+                end = min(end, boundary - offset)
             stream = position // STREAM_RUN % READ_STREAMS
-            reads.append(self.readers[stream].submit(_pread_all, self.fds[stream], view[start:end], position))
+            reads.append(self.readers[stream].submit(_read, self.fds[stream], view[start:end], position, self.verifier))
             start = end
         return reads
 
@@ -227,6 +245,12 @@ class _ReadStreams:
             reader.shutdown()
         for fd in self.fds:
             os.close(fd)
+
+
+def _read(fd: int, view: memoryview, offset: int, verifier: FileVerifier | None) -> None:
+    _pread_all(fd, view, offset)
+    if verifier is not None:
+        verifier.add_read(offset, view)
 
 
 def _pread_all(fd: int, view: memoryview, offset: int) -> None:
@@ -308,12 +332,15 @@ class _PendingRead:
         return self.staging
 
 
-def _read_file(path: Path, items: list[tuple[ReadItem, Any]], planner: LoadPlanner) -> list[ReadItem]:
+def _read_file(
+    path: Path, items: list[tuple[ReadItem, Any]], planner: LoadPlanner, verifier: FileVerifier | None = None
+) -> list[ReadItem]:
     """Read `items` (with their storage info) from one file; returns those left for DCP's reader.
 
     First every tensor item is located (small reads at item boundaries), then the reads of every
     item are queued in file order (those into staging buffers up to `STAGING_BYTES` ahead of the item
-    being completed), and the items completed in that order.
+    being completed), and the items completed in that order. With `verifier`, every checksum range holding a
+    byte used (items left to DCP's reader included) is checked before it returns.
     """
     items = sorted(items, key=lambda pair: pair[1].offset)
     left: list[ReadItem] = []
@@ -322,15 +349,23 @@ def _read_file(path: Path, items: list[tuple[ReadItem, Any]], planner: LoadPlann
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         located: dict[Any, RawTensor | None] = {}
         for req, info in items:
-            if req.type != LoadItemType.BYTE_IO and req.storage_index not in located:
-                located[req.storage_index] = locate_tensor(fd, info.offset, info.length)
-        with _ReadStreams(path) as streams:
+            if getattr(info, "transform_descriptors", None):
+                located[req.storage_index] = None
+            elif req.type != LoadItemType.BYTE_IO and req.storage_index not in located:
+                located[req.storage_index] = locate_tensor(fd, info.offset, info.length, verifier)
+        with _ReadStreams(path, verifier) as streams:
             pending: deque[_PendingRead] = deque()
             staged = 0  # bytes of the pending items' staging buffers
             for req, info in items:
-                if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(os.pread(fd, info.length, info.offset)))
+                if req.type == LoadItemType.BYTE_IO and located.get(req.storage_index, True) is not None:
+                    data = os.pread(fd, info.length, info.offset)
+                    if verifier is not None:  # before the bytes are unpickled
+                        verifier.add_bytes(info.offset, data)
+                        verifier.check(fd)
+                    planner.load_bytes(req, io.BytesIO(data))
                 elif located[req.storage_index] is None:
+                    if verifier is not None:
+                        verifier.require(info.offset, info.offset + info.length)
                     left.append(req)
                 else:
                     target = planner.resolve_tensor(req).detach()
@@ -342,28 +377,35 @@ def _read_file(path: Path, items: list[tuple[ReadItem, Any]], planner: LoadPlann
                         staged -= pending.popleft().complete(planner)
             while pending:
                 pending.popleft().complete(planner)
+        if verifier is not None:
+            verifier.check(fd)
     finally:
         os.close(fd)
     return left
 
 
 def read_items(
-    root: Path, storage_data: dict, items: list[ReadItem], planner: LoadPlanner, thread_count: int
+    root: Path,
+    storage_data: dict,
+    items: list[ReadItem],
+    planner: LoadPlanner,
+    thread_count: int,
+    checksums: Checksums | None = None,
 ) -> list[ReadItem]:
-    """Read what the fast path understands, files in parallel; returns the items DCP's reader must read."""
-    left: list[ReadItem] = []
+    """Read what the fast path understands, files in parallel, checking what is read against `checksums` (if
+    any); returns the items DCP's reader must read (checked too)."""
     per_file: dict[str, list[tuple[ReadItem, Any]]] = {}
     for req in items:
         info = storage_data[req.storage_index]
-        if getattr(info, "transform_descriptors", None):
-            left.append(req)
-        else:
-            per_file.setdefault(info.relative_path, []).append((req, info))
-    jobs = [(Path(root) / name, file_items) for name, file_items in per_file.items()]
+        per_file.setdefault(info.relative_path, []).append((req, info))
+    jobs = [
+        (Path(root) / name, file_items, checksums.verifier(name) if checksums is not None else None)
+        for name, file_items in per_file.items()
+    ]
     workers = max(1, min(thread_count, len(jobs)))
     if workers == 1:
-        results = [_read_file(path, file_items, planner) for path, file_items in jobs]
+        results = [_read_file(path, file_items, planner, verifier) for path, file_items, verifier in jobs]
     else:
         with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-file-reader") as pool:
-            results = list(pool.map(lambda job: _read_file(job[0], job[1], planner), jobs))
-    return left + [req for file_left in results for req in file_left]
+            results = list(pool.map(lambda job: _read_file(*job[:2], planner, job[2]), jobs))
+    return [req for file_left in results for req in file_left]

@@ -15,8 +15,9 @@
    thread of the file's own, while the writer goes on with the next items and the disk writes these (see
    `integrity.py`).
 3. `finish` (training side, collective): gather the write results; the coordinator writes DCP's
-   `.metadata` (atomically, fsynced) and `checksums.json`. With a `MetadataCache`, ranks
-   whose shards have the same structure as last time send nothing but their write results.
+   `.metadata` (atomically, fsynced; marked as written with checksums, `integrity.CHECKSUMS_MARKER`) and
+   `checksums.json`. With a `MetadataCache`, ranks whose shards have the same structure as last time send nothing
+   but their write results.
 
 No planning collective is needed: the items are already deduplicated (main replicas only).
 """
@@ -51,12 +52,21 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..._compat import StorageInfo, dcp_write_item, write_tensor
 from ..core import CheckpointingException
-from ..integrity import CHECKSUMS_FNAME, FileRanges, checksum, file_checksum, write_checksums
+from ..integrity import (
+    CHECKSUMS_FNAME,
+    CHECKSUMS_MARKER,
+    FileRanges,
+    checksum_ranges,
+    extend,
+    file_checksum,
+    write_checksums,
+)
 from .async_utils import AsyncRequest
 from .direct_io import DIRECT_ALIGNMENT, DIRECT_MIN_BYTES, direct_span, open_direct
 from .writer_process import ArenaTensor, SharedArena, shared_memory_available, shared_writer_process
 
 DCP_METADATA_FNAME = ".metadata"
+COMMON_FNAME = "common.pt"  # written by the common strategy before the coordinator writes the checksums
 KEEP_BY_REFERENCE = 1 << 20
 WRITEBACK_BYTES = 32 << 20  # bytes written to a file after which the kernel is asked to start writing them out
 DIRECT_CHUNK = 64 << 20  # bytes per O_DIRECT write call
@@ -335,30 +345,29 @@ class FileSystemWriterAsync:
             cache.state_dict_metadata = build_state_dict_metadata(all_items)
             cache.all_items = all_items
         storage_data = {wr.index: wr.storage_data for _, results, _ in gathered for wr in results}
+        per_rank = [checksums for *_, checksums in gathered]
+        with_checksums = all(ranges is not None for ranges in per_rank)
+        save_id = f"{CHECKSUMS_MARKER if with_checksums else ''}{uuid.uuid4()}"
         metadata = Metadata(
             state_dict_metadata=cache.state_dict_metadata,
             storage_data=storage_data,
-            storage_meta=StorageMeta(checkpoint_id=str(self.checkpoint_dir), save_id=str(uuid.uuid4())),
+            storage_meta=StorageMeta(checkpoint_id=str(self.checkpoint_dir), save_id=save_id),
             version=CURRENT_DCP_VERSION,
         )
+        document = pickle.dumps(metadata)
         tmp = self.checkpoint_dir / f"{DCP_METADATA_FNAME}.tmp"
         with open(tmp, "wb") as stream:
-            pickle.dump(metadata, stream)
+            stream.write(document)
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(tmp, self.checkpoint_dir / DCP_METADATA_FNAME)
-        self._write_checksums([checksums for *_, checksums in gathered])
-
-    def _write_checksums(self, per_rank: list[FileRanges | None]) -> None:
-        """Every rank's item checksums, and whole-file ones of `.metadata` and `common.pt`, into
-        `checksums.json` (a stale one is removed when checksums are off)."""
-        if any(ranges is None for ranges in per_rank):
+        if not with_checksums:  # a stale checksums file would fail the next load
             (self.checkpoint_dir / CHECKSUMS_FNAME).unlink(missing_ok=True)
             return
         files = {name: r for ranges in per_rank for name, r in ranges.items()}
-        for name in (DCP_METADATA_FNAME, "common.pt"):
-            if (self.checkpoint_dir / name).is_file():
-                files[name] = [file_checksum(self.checkpoint_dir / name)]
+        files[DCP_METADATA_FNAME] = [[0, len(document), extend(0, document)]]
+        if (self.checkpoint_dir / COMMON_FNAME).is_file():
+            files[COMMON_FNAME] = [file_checksum(self.checkpoint_dir / COMMON_FNAME)]
         write_checksums(self.checkpoint_dir, files)
 
 
@@ -501,19 +510,17 @@ def _write_file(
     checkpoint_dir: Path, data: dict, crc32: bool, checksums: FileRanges | None, name: str, items: list[WriteItem]
 ) -> list[WriteResult]:
     results: list[WriteResult] = []
-    ranges: list[tuple[int, int]] = []
-    crcs: list[Future[int]] = []
+    crcs: list[Future[list[list[int]]]] = []
     with (
         ItemFileStream(checkpoint_dir / name, keep_pieces=checksums is not None) as stream,
         ThreadPoolExecutor(1, thread_name_prefix="ckpt-file-checksum") as checksummer,
     ):
 
         def end_range(start: int) -> None:
-            """The bytes from `start` on are a checksummed range; their checksum is computed while the
-            writer goes on with the next items and the disk writes these."""
-            ranges.append((start, stream.tell() - start))
+            """The bytes from `start` on get their checksum ranges (`integrity.checksum_ranges`), computed while
+            the writer goes on with the next items and the disk writes these."""
             if checksums is not None:
-                crcs.append(checksummer.submit(checksum, stream.take_pieces()))
+                crcs.append(checksummer.submit(checksum_ranges, start, stream.take_pieces()))
 
         for item in items:
             value = data[item.index]
@@ -532,7 +539,7 @@ def _write_file(
         stream.file.flush()
         os.fsync(stream.file.fileno())
         if checksums is not None:
-            checksums[name] = [[*span, crc.result()] for span, crc in zip(ranges, crcs)]
+            checksums[name] = [checksum_range for crc in crcs for checksum_range in crc.result()]
     return results
 
 

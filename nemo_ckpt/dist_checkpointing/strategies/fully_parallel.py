@@ -18,6 +18,7 @@ from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..exchange_utils import ShardId, broadcast_shards, distribute_shards, group_ranks, shard_id, shard_nbytes
 from ..mapping import ShardedBase, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from ..utils import raise_on_every_rank
 from .async_utils import AsyncRequest
 from .base import LoadShardedStrategy, SaveShardedStrategy
 
@@ -189,7 +190,12 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         ]
         deferred_ids = {id(sh) for sh in deferred}
         own = {i: sh for i, sh in enumerate(leaves) if id(sh) not in deferred_ids}
-        loaded = self.base_strategy.load(own, checkpoint_dir)
+        error, loaded = None, {}
+        try:
+            loaded = self.base_strategy.load(own, checkpoint_dir)
+        except Exception as e:  # raised on every rank below: the others must not wait for its shards
+            error = e
+        raise_on_every_rank(error, f"Loading {checkpoint_dir}", self.parallelization_group)
         values = {id(own[i]): value for i, value in loaded.items()}
 
         exchanged: dict[ShardId, torch.Tensor] = {}

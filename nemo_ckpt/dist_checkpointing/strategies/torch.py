@@ -49,6 +49,7 @@ from torch.futures import Future
 
 from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_outplace, nested_values
+from ..integrity import Checksums, CorruptCheckpointError, Corruption, expected_checksums, safe_relative_path
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, flat_range_boxes, is_main_replica
 from ..safe_globals import DCPMetadataUnpickler, UnsafeCheckpointError, safe_torch_load
 from .async_utils import AsyncRequest
@@ -225,18 +226,24 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader that reads `.metadata` with a restricted unpickler (once), reports a
-    missing or corrupt file clearly and reads tensors straight into their destination
-    (`.fast_reader`; DCP's own reader for anything else), `thread_count` files at a time."""
+    """FileSystemReader that reads `.metadata` with a restricted unpickler (once), checks its fields (no file
+    outside the checkpoint, no overlapping or negative ranges, sizes within the files), reports a missing or corrupt
+    file clearly and reads tensors straight into their destination (`.fast_reader`; DCP's own reader for anything
+    else), `thread_count` files at a time. With `verify`, every byte read is checked against the checkpoint's
+    checksums (`integrity.py`) before `read_data` returns."""
 
-    def __init__(self, path: str | os.PathLike, allow_unsafe_pickle: bool = False, thread_count: int = 2) -> None:
+    def __init__(
+        self, path: str | os.PathLike, allow_unsafe_pickle: bool = False, thread_count: int = 2, verify: bool = True
+    ) -> None:
         super().__init__(path)
         self.allow_unsafe_pickle = allow_unsafe_pickle
         self.thread_count = thread_count
+        self.verify = verify
         self._metadata: Metadata | None = None
+        self._checksums: Checksums | None = None
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        left = read_items(self.path, self.storage_data, plan.items, planner, self.thread_count)
+        left = read_items(self.path, self.storage_data, plan.items, planner, self.thread_count, self._checksums)
         if left:
             return super().read_data(LoadPlan(left), planner)
         done: Future[None] = Future()
@@ -249,12 +256,16 @@ class SafeFileSystemReader(FileSystemReader):
         path = os.path.join(self.path, DCP_METADATA_FNAME)
         if not os.path.isfile(path):
             raise CheckpointingException(f"{path} is missing: {self.path} is not a complete torch_dist checkpoint")
+        with open(path, "rb") as f:
+            data = f.read()
+        self._checksums = expected_checksums(self.path, self.verify)
+        if self._checksums is not None:
+            self._checksums.check_file(DCP_METADATA_FNAME, data)
         try:
-            with open(path, "rb") as f:
-                if self.allow_unsafe_pickle:
-                    metadata = pickle.load(f)
-                else:
-                    metadata = DCPMetadataUnpickler(f).load()
+            if self.allow_unsafe_pickle:
+                metadata = pickle.loads(data)
+            else:
+                metadata = DCPMetadataUnpickler(io.BytesIO(data)).load()
         except pickle.UnpicklingError as e:
             if "is not allowed" in str(e):
                 raise UnsafeCheckpointError(
@@ -266,6 +277,7 @@ class SafeFileSystemReader(FileSystemReader):
         if not isinstance(metadata, Metadata):
             raise CheckpointingException(f"{path} does not hold DCP metadata (got {type(metadata)})")
         _check_metadata_fields(metadata, path)
+        _check_storage_entries(metadata, Path(self.path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -323,11 +335,7 @@ def _check_storage_files(read_items: list[ReadItem], metadata: Metadata, checkpo
         path = os.path.join(checkpoint_dir, rel_path)
         if not os.path.isfile(path):
             raise CheckpointingException(f"Checkpoint file {path} is missing (needed for key '{key}')")
-        size = os.path.getsize(path)
-        if size < end:
-            raise CheckpointingException(
-                f"Checkpoint file {path} is truncated: {size} bytes, but key '{key}' needs {end}"
-            )
+        _raise_if_truncated(checkpoint_dir, rel_path, end, key)
 
 
 def _describe_keys(keys: Any, limit: int = 20) -> str:
@@ -345,6 +353,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         allow_unsafe_pickle: unpickle ShardedObjects and `.metadata` without the
             allow-list. Only for trusted checkpoints.
         thread_count: files read at the same time by this rank.
+        verify_checksums: check every byte read against the stored checksums (`integrity.py`).
         load_directly_on_device: tensors without template data are allocated on the current accelerator
             (if any) instead of CPU; tensors with template data are loaded into it, wherever it lives.
     """
@@ -352,18 +361,23 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     backend = "torch_dist"
 
     def __init__(
-        self, allow_unsafe_pickle: bool = False, thread_count: int = 2, load_directly_on_device: bool = False
+        self,
+        allow_unsafe_pickle: bool = False,
+        thread_count: int = 2,
+        load_directly_on_device: bool = False,
+        verify_checksums: bool = True,
     ) -> None:
         self.allow_unsafe_pickle = allow_unsafe_pickle
         self.thread_count = thread_count
         self.load_directly_on_device = load_directly_on_device
+        self.verify_checksums = verify_checksums
 
     @property
     def can_handle_sharded_objects(self) -> bool:
         return True
 
     def _reader(self, checkpoint_dir: Path) -> SafeFileSystemReader:
-        return SafeFileSystemReader(checkpoint_dir, self.allow_unsafe_pickle, self.thread_count)
+        return SafeFileSystemReader(checkpoint_dir, self.allow_unsafe_pickle, self.thread_count, self.verify_checksums)
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
         reader = self._reader(checkpoint_dir)
@@ -439,17 +453,83 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 def _check_metadata_fields(metadata: Metadata, path: str) -> None:
     """Raise a clear error if unpickled metadata lacks the fields loading reads (a damaged `.metadata`)."""
     try:
-        for info in (metadata.storage_data or {}).values():
-            int(info.offset), int(info.length), str(info.relative_path)
-        for md in metadata.state_dict_metadata.values():
+        if not isinstance(metadata.storage_data, dict) or not isinstance(metadata.state_dict_metadata, dict):
+            raise TypeError("storage_data or state_dict_metadata is not a mapping")
+        for index, info in metadata.storage_data.items():
+            if not isinstance(index, MetadataIndex) or not isinstance(info.relative_path, str):
+                raise TypeError(f"storage entry {index!r}: {info!r}")
+            if not (_is_count(info.offset) and _is_count(info.length)):
+                raise ValueError(f"storage entry {index.fqn!r} has offset {info.offset!r} and length {info.length!r}")
+        for key, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
-                torch.Size(md.size), md.properties.dtype
-                for chunk in md.chunks:
-                    torch.Size(chunk.offsets), torch.Size(chunk.sizes)
+                if not isinstance(md.properties.dtype, torch.dtype) or not all(map(_is_count, md.size)):
+                    raise ValueError(f"tensor {key!r} has dtype {md.properties.dtype!r} and size {md.size!r}")
+                _check_chunks(key, md, metadata.storage_data)
             elif not isinstance(md, BytesStorageMetadata):
                 raise TypeError(f"unexpected entry {type(md).__name__}")
-    except (AttributeError, TypeError, ValueError) as e:
-        raise CheckpointingException(f"{path} is corrupt: {e!r}") from e
+            elif MetadataIndex(key) not in metadata.storage_data:
+                raise ValueError(f"object {key!r} has no storage entry")
+        for key, data in (getattr(metadata, "mcore_data", None) or {}).items():
+            shape = tuple(data.get("nd_reformulated_orig_global_shape", ()))
+            md = metadata.state_dict_metadata.get(key)
+            if shape and (not all(map(_is_count, shape)) or not isinstance(md, TensorStorageMetadata)):
+                raise ValueError(f"tensor {key!r}: original shape {shape} of a tensor not stored")
+            if shape and math.prod(shape) > math.prod(md.size):
+                raise ValueError(f"tensor {key!r}: original shape {shape} is larger than its stored {tuple(md.size)}")
+    except (AttributeError, TypeError, ValueError, OverflowError) as e:
+        raise CheckpointingException(f"{path} is corrupt: {e}") from e
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_chunks(key: str, md: TensorStorageMetadata, storage_data: dict) -> None:
+    """Each chunk of tensor `key` lies inside its shape and has a stored item large enough for its bytes, and the
+    chunks hold at least as many elements as the shape: what a load allocates is bounded by the files' sizes."""
+    itemsize = md.properties.dtype.itemsize
+    held = 0
+    for chunk in md.chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        valid = len(offsets) == len(sizes) == len(md.size) and all(map(_is_count, offsets + sizes))
+        if not valid or any(o + n > dim for o, n, dim in zip(offsets, sizes, md.size)):
+            raise ValueError(f"tensor {key!r}: chunk at {offsets} of size {sizes} is outside its size {tuple(md.size)}")
+        info = storage_data.get(MetadataIndex(key, torch.Size(offsets)))
+        if info is None:
+            raise ValueError(f"tensor {key!r}: chunk at {offsets} has no storage entry")
+        if info.length < math.prod(sizes) * itemsize:
+            raise ValueError(
+                f"tensor {key!r}: chunk at {offsets} holds {math.prod(sizes) * itemsize} bytes, its stored item "
+                f"{info.length}"
+            )
+        held += math.prod(sizes)
+    if math.prod(md.size) > held:
+        raise ValueError(f"tensor {key!r} of size {tuple(md.size)} has chunks of {held} elements only")
+
+
+def _check_storage_entries(metadata: Metadata, checkpoint_dir: Path) -> None:
+    """Storage entries name files inside `checkpoint_dir` (`integrity.safe_relative_path`), do not overlap, and end
+    within their file where it exists (a missing file is reported when a load needs it)."""
+    per_file: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
+    for index, info in metadata.storage_data.items():
+        per_file[info.relative_path].append((info.offset, info.offset + info.length, index.fqn))
+    for name, entries in per_file.items():
+        path = safe_relative_path(checkpoint_dir, name, DCP_METADATA_FNAME)
+        entries.sort()
+        for (_, end, key), (start, _, next_key) in zip(entries, entries[1:]):
+            if start < end:
+                reason = f"stored items of {key!r} and {next_key!r} overlap in {name}"
+                raise CorruptCheckpointError(checkpoint_dir, [Corruption(DCP_METADATA_FNAME, 0, 0, reason)])
+        if path.is_file():
+            end, key = max((end, key) for _, end, key in entries)
+            _raise_if_truncated(checkpoint_dir, name, end, key)
+
+
+def _raise_if_truncated(checkpoint_dir: Path, name: str, end: int, key: str) -> None:
+    size = os.path.getsize(Path(checkpoint_dir) / name)
+    if size < end:
+        reason = f"truncated: the file has {size} bytes, but key '{key}' needs {end}"
+        raise CorruptCheckpointError(checkpoint_dir, [Corruption(name, size, end, reason)])
 
 
 def _original_shape(key: str, md: TensorStorageMetadata, mcore_data: dict[str, dict[str, Any]]) -> tuple[int, ...]:
@@ -586,8 +666,8 @@ def _as_checkpointing_error(e: BaseException, what: str) -> CheckpointingExcepti
     return CheckpointingException(f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
 
-def load_common_state_object(checkpoint_dir: Path, allow_unsafe_pickle: bool = False) -> Any:
+def load_common_state_object(checkpoint_dir: Path, allow_unsafe_pickle: bool = False, verify: bool = True) -> Any:
     """Read the `common_state` ShardedObject (Megatron-Core >= 0.19 stores common data there)."""
-    strategy = TorchDistLoadShardedStrategy(allow_unsafe_pickle)
+    strategy = TorchDistLoadShardedStrategy(allow_unsafe_pickle, verify_checksums=verify)
     sh_obj = ShardedObject(COMMON_STATE_KEY, None, (1,), (0,))
     return strategy.load({"common": sh_obj}, checkpoint_dir)["common"]
