@@ -15,10 +15,14 @@ from nemo_ckpt.checkpoint.context import load_model, save_context  # noqa: E402
 from nemo_ckpt.checkpoint.layout import hf_artifacts_dir, is_complete, weights_dir  # noqa: E402
 from nemo_ckpt.conversion import export_ckpt  # noqa: E402
 from nemo_ckpt.data.tokenizer import ByteLevelTokenizer, SentencePieceTokenizer, Tokenizer  # noqa: E402
-from nemo_ckpt.dist_checkpointing import ShardedTensor  # noqa: E402
+from nemo_ckpt.dist_checkpointing import ShardedTensor, cli  # noqa: E402
 from nemo_ckpt.models import GPTConfig, GPTModel, gpt_config  # noqa: E402
 from nemo_ckpt.models.gpt.convert import export_hf, import_hf  # noqa: E402
-from nemo_ckpt.models.gpt.convert.safetensors_io import INDEX_FILE, open_model_weights  # noqa: E402
+from nemo_ckpt.models.gpt.convert.safetensors_io import (  # noqa: E402
+    INDEX_FILE,
+    MalformedModelError,
+    open_model_weights,
+)
 from nemo_ckpt.models.gpt.model import padded_vocab_size  # noqa: E402
 from tests.helpers.tokenizers import TEXT, train_sentencepiece  # noqa: E402
 
@@ -84,6 +88,8 @@ def test_bf16_sharded_with_vocab_padding(tmp_path):
     for tensor in open_model_weights(source).values():  # memory-mapped, each owning exactly its bytes: written
         assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()  # without a staging copy
     checkpoint = import_hf(source, tmp_path / "ours", make_vocab_size_divisible_by=64)
+    assert cli.main(["verify", str(checkpoint)]) == 0  # weights/ and context/, each with its checksums
+    assert (checkpoint / "context" / "checksums.json").is_file()
     stored = dist_checkpointing.load_plain_tensors(weights_dir(checkpoint))
     assert stored["module.embedding.weight"].dtype == torch.bfloat16
     assert stored["module.embedding.weight"].shape[0] == 128 and not stored["module.embedding.weight"][100:].any()
@@ -187,7 +193,7 @@ def test_bad_input_names_the_problem_and_writes_nothing(tmp_path):
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         import_hf(source, tmp_path / "out")
     (source / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
-    with pytest.raises(ValueError, match=r"missing \['model.layers.2"):
+    with pytest.raises(ValueError, match=r"num_hidden_layers=3, but the weights hold layers \[0, 1\]"):
         import_hf(source, tmp_path / "out")
     (source / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
     with pytest.raises(ValueError, match="model.layers.0.mlp.gate_proj.weight.*shape"):
@@ -204,6 +210,110 @@ def test_bad_input_names_the_problem_and_writes_nothing(tmp_path):
     existing = tmp_path / "hf"
     with pytest.raises(FileExistsError, match="overwrite=True"):
         import_hf(sharded, existing)
+
+
+def _rewrite_config(source: Path, **changes) -> None:
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def _rewrite_header(path: Path, change) -> None:
+    """`path` (a safetensors file) with `change(header)` applied to its header, its data kept."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    change(header)
+    encoded = json.dumps(header).encode()
+    path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + raw[8 + length :])
+
+
+def _first_tensor(header: dict) -> dict:
+    return header[min(name for name in header if name != "__metadata__")]
+
+
+def _overlap(header: dict) -> None:
+    """The second layer norm's data where the first one's is."""
+    layer = "model.layers.0.{}_layernorm.weight"
+    header[layer.format("post_attention")]["data_offsets"] = header[layer.format("input")]["data_offsets"]
+
+
+def _misplace(weight_map: dict[str, str]) -> None:
+    here = weight_map["model.norm.weight"]
+    weight_map["model.norm.weight"] = next(name for name in sorted(set(weight_map.values())) if name != here)
+
+
+def _all_in(name: str):
+    return lambda weight_map: weight_map.update(dict.fromkeys(weight_map, name))
+
+
+def _rewrite_index(source: Path, change) -> None:
+    index = json.loads((source / INDEX_FILE).read_text())
+    change(index["weight_map"])
+    (source / INDEX_FILE).write_text(json.dumps(index))
+
+
+def _link_outside(source: Path) -> None:
+    first = sorted(source.glob("model-*.safetensors"))[0]
+    outside = source.parent / "outside.safetensors"
+    first.rename(outside)
+    first.symlink_to(outside)
+
+
+MALFORMED = {
+    "layers as a float": (lambda s: _rewrite_config(s, num_hidden_layers=1e9), "num_hidden_layers=1000000000.0 is not"),
+    "a billion layers": (lambda s: _rewrite_config(s, num_hidden_layers=10**9), r"weights hold layers \[0, 1\]"),
+    "huge vocabulary": (lambda s: _rewrite_config(s, vocab_size=10**12), r"embed_tokens.weight has shape \[100, 32\]"),
+    "hidden size as text": (lambda s: _rewrite_config(s, hidden_size="32"), "hidden_size='32' is not a positive"),
+    "no heads": (lambda s: _rewrite_config(s, num_attention_heads=0), "num_attention_heads=0 is not a positive"),
+    "rope theta": (lambda s: _rewrite_config(s, rope_theta="x"), "rope_theta='x' is not a positive number"),
+    "config not JSON": (lambda s: (s / "config.json").write_text("{nope"), "config.json is not JSON"),
+    "config a list": (lambda s: (s / "config.json").write_text("[1]"), "config.json is not a JSON object"),
+    "header length": (
+        lambda s: (s / "model.safetensors").write_bytes((2**63).to_bytes(8, "little") + b"{}"),
+        "header length 9223372036854775808 exceeds",
+    ),
+    "header not JSON": (
+        lambda s: (s / "model.safetensors").write_bytes((4).to_bytes(8, "little") + b"{nop"),
+        "the header is not JSON",
+    ),
+    "negative offset": (
+        lambda s: _rewrite_header(s / "model.safetensors", lambda h: _first_tensor(h).update(data_offsets=[-8, 0])),
+        r"data_offsets \[-8, 0\], not \[begin, end\]",
+    ),
+    "offset past the end": (
+        lambda s: _rewrite_header(
+            s / "model.safetensors", lambda h: _first_tensor(h).update(data_offsets=[2**40, 2**40 + 128])
+        ),
+        "is truncated: tensor",
+    ),
+    "overlapping tensors": (
+        lambda s: _rewrite_header(s / "model.safetensors", _overlap),
+        "the data of tensors .* overlap",
+    ),
+    "shape and bytes disagree": (
+        lambda s: _rewrite_header(s / "model.safetensors", lambda h: _first_tensor(h).update(shape=[10**9, 10**9])),
+        "has 4000000000000000000 bytes, but its data_offsets",
+    ),
+    "index escapes": (lambda s: _rewrite_index(s, _all_in("../x.safetensors")), "not a file inside"),
+    "index absolute": (lambda s: _rewrite_index(s, _all_in("/etc/passwd")), "not a file inside"),
+    "index link outside": (_link_outside, "not a file inside"),
+    "index not JSON": (lambda s: (s / INDEX_FILE).write_text("[]"), "is not a shard index with a weight_map"),
+    "index misplaces": (
+        lambda s: _rewrite_index(s, _misplace),
+        "holds tensor 'model.norm.weight', which .* places in",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_files_raise_a_named_error_before_anything_is_allocated(tmp_path, case):
+    change, message = MALFORMED[case]
+    sharded = case.startswith("index")
+    source = make_hf_llama(tmp_path / "hf", max_shard_size="20KB" if sharded else None)
+    change(source)
+    with pytest.raises(MalformedModelError, match=message):
+        import_hf(source, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 TWO_RANK_RUNS = {

@@ -38,9 +38,15 @@ from nemo_ckpt.checkpoint.hf_tokenizer import (
     vocabulary_size,
     write_files,
 )
-from nemo_ckpt.checkpoint.layout import TMP_PREFIX, hf_artifacts_dir, is_complete, weights_dir
+from nemo_ckpt.checkpoint.layout import TMP_PREFIX, context_dir, hf_artifacts_dir, is_complete, weights_dir
 from nemo_ckpt.dist_checkpointing import ShardedTensor
-from nemo_ckpt.models.gpt.convert.safetensors_io import TensorSpec, open_model_weights, write_model_weights
+from nemo_ckpt.dist_checkpointing.integrity import write_directory_checksums
+from nemo_ckpt.models.gpt.convert.safetensors_io import (
+    MalformedModelError,
+    TensorSpec,
+    open_model_weights,
+    write_model_weights,
+)
 from nemo_ckpt.models.gpt.lightning import GPTModel
 from nemo_ckpt.models.gpt.model import GPT, GPTConfig, padded_vocab_size
 
@@ -54,6 +60,10 @@ ARTIFACT_FILES = (*MODEL_CONFIG_FILES, *TOKENIZER_FILES)
 DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
 VOCAB_KEYS = ("module.embedding.weight", "module.output_layer.weight")
 IGNORED_HF_KEYS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+HF_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
+POSITIVE_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+OPTIONAL_POSITIVE_INTS = ("num_key_value_heads", "max_position_embeddings", "head_dim")
+POSITIVE_NUMBERS = ("rope_theta", "rms_norm_eps", "initializer_range")
 
 # (ours, Hugging Face) key patterns; `{}` is the layer number.
 _LAYER_KEYS = (
@@ -95,24 +105,31 @@ def gpt_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
 def _rope_theta(hf: dict[str, Any], path: Path) -> float:
     rope = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict) or not isinstance(scaling, dict):
+        raise MalformedModelError(f"{path}: rope_parameters or rope_scaling is not a JSON object")
     rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type != "default":
         raise ValueError(
             f"{path}: rope type {rope_type!r} (rope_scaling / rope_parameters) is not supported; our GPT implements "
             "the default rotary embedding only"
         )
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not 0 < theta < float("inf"):
+        raise MalformedModelError(f"{path}: rope_theta={theta!r} is not a positive number")
+    return float(theta)
 
 
 def gpt_config_from_hf(hf: dict[str, Any], path: Path, make_vocab_size_divisible_by: int = 1) -> GPTConfig:
     """The `GPTConfig` of a Hugging Face Llama `config.json` (read from `path`); bad fields raise, naming them."""
     architectures = hf.get("architectures") or [hf.get("model_type")]
+    if not isinstance(architectures, list):
+        raise MalformedModelError(f"{path}: architectures={architectures!r} is not a list")
     if ARCHITECTURE not in architectures and hf.get("model_type") != "llama":
         raise ValueError(f"{path}: architectures={architectures} is not supported; only {ARCHITECTURE} converts")
-    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-    missing = [key for key in required if key not in hf]
+    missing = [key for key in POSITIVE_INTS if key not in hf]
     if missing:
         raise ValueError(f"{path} lacks {missing}, which a Llama config.json holds")
+    _check_config_values(hf, path)
     unsupported = {
         "hidden_act": (hf.get("hidden_act", "silu"), "silu"),
         "attention_bias": (hf.get("attention_bias", False), False),
@@ -140,6 +157,51 @@ def gpt_config_from_hf(hf: dict[str, Any], path: Path, make_vocab_size_divisible
         init_method_std=hf.get("initializer_range", 0.02),
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
     )
+
+
+def _check_config_values(hf: dict[str, Any], path: Path) -> None:
+    """Raise `MalformedModelError` naming the first field of `hf` of the wrong type or out of range."""
+
+    def is_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    def is_number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+
+    checks = [(key, is_int, "integer") for key in POSITIVE_INTS]
+    checks += [(key, is_int, "integer") for key in OPTIONAL_POSITIVE_INTS if hf.get(key) is not None]
+    checks += [(key, is_number, "number") for key in POSITIVE_NUMBERS if key in hf]
+    for key, valid, kind in checks:
+        if not valid(hf[key]):
+            raise MalformedModelError(f"{path}: {key}={hf[key]!r} is not a positive {kind}")
+    if not isinstance(hf.get("tie_word_embeddings", False), bool):
+        raise MalformedModelError(f"{path}: tie_word_embeddings={hf['tie_word_embeddings']!r} is not a boolean")
+    heads, groups = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    if hf["hidden_size"] % heads or heads % groups:
+        raise MalformedModelError(
+            f"{path}: hidden_size={hf['hidden_size']}, num_attention_heads={heads} and num_key_value_heads={groups} "
+            "do not divide (hidden_size by heads, heads by key/value heads)"
+        )
+
+
+def check_config_against_weights(hf: dict[str, Any], tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Raise `MalformedModelError` unless `hf`'s number of layers, vocabulary and hidden size are those of the
+    weights present (before anything of that size is built or allocated)."""
+    layers = sorted({int(match.group(1)) for key in tensors if (match := HF_LAYER_KEY.match(key))})
+    if len(layers) != hf["num_hidden_layers"] or layers != list(range(len(layers))):
+        shown = layers if len(layers) <= 8 else [*layers[:4], "...", *layers[-2:]]
+        raise MalformedModelError(
+            f"{path}: num_hidden_layers={hf['num_hidden_layers']}, but the weights hold layers {shown} "
+            f"({len(layers)} layers)"
+        )
+    embedding = tensors.get(_GLOBAL_KEYS["module.embedding.weight"])
+    expected = (hf["vocab_size"], hf["hidden_size"])
+    if embedding is None or tuple(embedding.shape) != expected:
+        found = "no such tensor" if embedding is None else f"shape {list(embedding.shape)}"
+        raise MalformedModelError(
+            f"{path}: vocab_size={expected[0]} and hidden_size={expected[1]}, but "
+            f"{_GLOBAL_KEYS['module.embedding.weight']} has {found}"
+        )
 
 
 def hf_config_from_gpt(config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
@@ -234,6 +296,8 @@ class _Output:
         return self.tmp
 
     def commit(self) -> Path:
+        if context_dir(self.tmp).is_dir():  # a checkpoint of ours, whole now: its context's checksums go with it
+            write_directory_checksums(context_dir(self.tmp))
         if self.path.exists():
             shutil.rmtree(self.path)
         self.tmp.rename(self.path)
@@ -249,12 +313,26 @@ def _check_tokenizer(source: Path, vocab_size: int) -> None:
         return
     from tokenizers import Tokenizer
 
-    size = Tokenizer.from_file(str(tokenizer_file)).get_vocab_size(with_added_tokens=True)
+    try:
+        size = Tokenizer.from_file(str(tokenizer_file)).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # the tokenizers library raises its own exception types for malformed files
+        raise MalformedModelError(f"{tokenizer_file} is not a tokenizer: {e}") from e
     if size > vocab_size:
         raise ValueError(
             f"{tokenizer_file} has {size} tokens but {source / CONFIG_FILE} has vocab_size={vocab_size}: the "
             "tokenizer does not belong to these weights"
         )
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """A Hugging Face `config.json` as a dict; `MalformedModelError` if it is not a JSON object."""
+    try:
+        hf = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise MalformedModelError(f"{path} is not JSON: {e}") from e
+    if not isinstance(hf, dict):
+        raise MalformedModelError(f"{path} is not a JSON object")
+    return hf
 
 
 def import_hf(
@@ -270,11 +348,12 @@ def import_hf(
     config_path = source / CONFIG_FILE
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} does not exist: pass a local Hugging Face model directory")
-    hf = json.loads(config_path.read_text())
+    hf = read_config(config_path)
     config = gpt_config_from_hf(hf, config_path, make_vocab_size_divisible_by)
     _check_tokenizer(source, hf["vocab_size"])
     tensors = open_model_weights(source)
     tensors = {key: value for key, value in tensors.items() if not IGNORED_HF_KEYS.fullmatch(key)}
+    check_config_against_weights(hf, tensors, config_path)
     key_map = hf_key_map(config)
     if config.share_embeddings_and_output_weights:
         tensors.pop(_GLOBAL_KEYS["module.output_layer.weight"], None)  # a tied lm_head is a copy of the embedding
