@@ -222,6 +222,16 @@ def test_checkpoints_of_other_tools_load_and_verify_says_they_have_no_checksums(
     assert dc.load(state(True), tmp_path)["rng"] == {"seed": 7}
 
 
+def test_a_nemo_checkpoint_loads_unverified_as_a_resume_does(tmp_path, capsys):
+    """NeMo's layout: Megatron-Core's weights in `weights/`, its own configs in `context/`, no checksums."""
+    shutil.copytree(FIXTURE_0_15, tmp_path / "weights")
+    (tmp_path / "context").mkdir()
+    (tmp_path / "context" / "io.json").write_text("{}")
+    template = {"w": dc.ShardedTensor.from_rank_offsets("decoder.w", torch.zeros(8, 6))}
+    assert DistCheckpointIO().load_checkpoint(tmp_path, sharded_state_dict=template)["w"].sum() > 0
+    assert cli.main(["verify", str(tmp_path)]) == 2 and "NeMo" in capsys.readouterr().out
+
+
 def test_verify_names_a_symlink_loop_and_a_dangling_link(tmp_path, capsys):
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
