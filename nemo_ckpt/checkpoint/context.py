@@ -30,7 +30,8 @@ from nemo_ckpt.checkpoint import registry
 from nemo_ckpt.checkpoint.hf_tokenizer import save_tokenizer
 from nemo_ckpt.checkpoint.layout import completion_marker, context_dir, hf_artifacts_dir, is_complete, weights_dir
 from nemo_ckpt.data.tokenizer import Tokenizer
-from nemo_ckpt.dist_checkpointing.core import fsync_path, write_durably
+from nemo_ckpt.dist_checkpointing.core import write_durably
+from nemo_ckpt.dist_checkpointing.integrity import read_verified, write_directory_checksums, written_with_checksums
 
 # 0.1.0 -> 0.2.0, for Fiddle's loader (trust_code=True); the registry knows the old names too (Entry.old_modules)
 MOVED_MODULES = {"nemo_ckpt.models.lightning": "nemo_ckpt.models.gpt.lightning"}
@@ -321,8 +322,8 @@ def set_init_arg(obj: Any, name: str, value: Any) -> None:
 def save_context(checkpoint: str | Path, **objects: Any) -> list[str]:
     """Write the config of each `IOMixin` object in `objects` to `<checkpoint>/context/<name>.json`, and the
     tokenizer of an object that has one (a data module's `tokenizer`) as Hugging Face files to `context/hf/`
-    (`hf_tokenizer.save_tokenizer`); return the config names written, fsynced with their directory. Objects that
-    did not record their config are skipped."""
+    (`hf_tokenizer.save_tokenizer`), then the CRC32C of every file in `context/checksums.json`; return the config
+    names written, fsynced with their directory. Objects that did not record their config are skipped."""
     directory = context_dir(checkpoint)
     directory.mkdir(parents=True, exist_ok=True)
     written = []
@@ -334,7 +335,7 @@ def save_context(checkpoint: str | Path, **objects: Any) -> list[str]:
         tokenizer = getattr(obj, "tokenizer", None)
         if isinstance(tokenizer, Tokenizer):
             save_tokenizer(tokenizer, hf_artifacts_dir(checkpoint))
-    fsync_path(directory)
+    write_directory_checksums(directory)  # fsyncs the directory
     return written
 
 
@@ -352,10 +353,12 @@ def load_context(checkpoint: str | Path, name: str = "model", trust_code: bool =
             f"{path} does not exist: the checkpoint stores no {name} config (its {name} class "
             "must inherit nemo_ckpt.checkpoint.context.IOMixin for ModelCheckpoint to record it)"
         )
+    required = written_with_checksums(weights_dir(checkpoint))  # a checkpoint of ours that lost them is refused
+    raw = read_verified(context_dir(checkpoint), f"{name}.json", required=required)
     if trust_code:
-        serialized = with_current_module_names(path.read_text())
+        serialized = with_current_module_names(raw.decode())
         return serialization.load_json(serialized, pyref_policy=serialization.DefaultPyrefPolicy())
-    return read_config(path.read_bytes(), str(path), registry.ROOTS.get(name, ()))
+    return read_config(raw, str(path), registry.ROOTS.get(name, ()))
 
 
 def load_model_config(checkpoint: str | Path, trust_code: bool = False) -> fdl.Buildable:

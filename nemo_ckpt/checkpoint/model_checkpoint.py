@@ -44,7 +44,6 @@ from nemo_ckpt.checkpoint.layout import (
 from nemo_ckpt.checkpoint.lock import DirectoryLock
 from nemo_ckpt.checkpoint.manifest import CheckpointRecord, Manifest
 from nemo_ckpt.dist_checkpointing.core import fsync_path
-from nemo_ckpt.dist_checkpointing.integrity import write_directory_checksums
 from nemo_ckpt.options import strict_options
 
 log = logging.getLogger(__name__)
@@ -304,8 +303,6 @@ class ModelCheckpoint(Callback):
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         context.save_context(tmp, model=trainer.lightning_module, data=trainer.datamodule)
-        if context_dir(tmp).is_dir():  # complete: nothing writes into it later
-            write_directory_checksums(context_dir(tmp))
         return (position, replaced) if replaced else None
 
     def _check_space(self, manifest: Manifest, record: CheckpointRecord) -> None:

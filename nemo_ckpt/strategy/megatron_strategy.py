@@ -185,7 +185,7 @@ class MegatronStrategy(DDPStrategy):
         ckpt_load_strictness: str | None = None,
         ckpt_async_save_timeout: float | None = None,
         ckpt_async_save_failure: str = "raise",
-        ckpt_verify_on_load: bool = False,
+        ckpt_verify_on_load: bool = True,
         ckpt_async_writer_process: bool = False,
         ckpt_async_overlap_staging: bool = False,
         ckpt_load_optimizer: bool = True,
@@ -686,7 +686,7 @@ class MegatronStrategy(DDPStrategy):
         """The checkpoint, its tensors loaded into the live ones; without `ckpt_load_optimizer`, only the model's,
         with the LR schedulers set to the checkpoint's step."""
         if self.ckpt_load_optimizer:
-            require_optimizer_state(checkpoint_path)
+            require_optimizer_state(checkpoint_path, verify=self.checkpoint_io.options.ckpt_verify_on_load)
             return self.checkpoint_io.load_checkpoint(checkpoint_path, sharded_state_dict=self.sharded_state_dict())
         template = {"state_dict": self.lightning_module_state_dict()}
         checkpoint = self.checkpoint_io.load_checkpoint(checkpoint_path, sharded_state_dict=template)

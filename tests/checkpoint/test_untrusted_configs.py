@@ -51,6 +51,7 @@ from nemo_ckpt.data.tokenizer import ByteLevelTokenizer
 from nemo_ckpt.dist_checkpointing import ShardedTensor
 from nemo_ckpt.dist_checkpointing.cli import consolidate
 from nemo_ckpt.dist_checkpointing.core import write_durably
+from nemo_ckpt.dist_checkpointing.integrity import write_directory_checksums
 from nemo_ckpt.dist_checkpointing.safe_globals import safe_torch_load
 from nemo_ckpt.logger import NeMoLogger
 from nemo_ckpt.models import GPTConfig, GPTModel, gpt_config
@@ -659,6 +660,7 @@ def _store(setting: Setting, payload: Payload) -> Path:
     for checkpoint in (setting.megatron, setting.checkpoint):
         path = checkpoint / "context" / "model.json"
         path.write_text(text, encoding="latin-1")  # the JSON is ASCII; a pickle's bytes stay as they are
+        write_directory_checksums(path.parent)  # a CRC is no signature: an attacker writes matching checksums
     return path
 
 

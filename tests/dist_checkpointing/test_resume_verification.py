@@ -18,14 +18,7 @@ def _train(rank: int, world_size: int, directory: str, resume: str | None, optio
     return fit(world_size, {}, 4 if resume else 2, ckpt_path=resume, callbacks=[checkpoints], **options)
 
 
-DEFAULT_OFF = "MegatronStrategy's own default is ckpt_verify_on_load=False (megatron_strategy.py), not the options'"
-
-
-@pytest.mark.parametrize(
-    "options",
-    [pytest.param({}, marks=pytest.mark.xfail(reason=DEFAULT_OFF, strict=True)), {"ckpt_verify_on_load": True}],
-    ids=["defaults", "verify on"],
-)
+@pytest.mark.parametrize("options", [{}, {"ckpt_verify_on_load": True}], ids=["defaults", "verify on"])
 def test_a_flipped_byte_stops_the_resume_before_training(tmp_path, options):
     run_distributed(_train, 1, str(tmp_path / "first"), None, options)
     saved = tmp_path / "first" / "epoch=0-step=2"
