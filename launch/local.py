@@ -4,6 +4,11 @@ From Python, `local_executor(...)` returns the executor itself:
 `run.run(recipe, executor=local_executor(ntasks_per_node=2))`. On the command line the `local` factory
 selects it: `run.executor=local run.executor.ntasks_per_node=2`; the overrides are `local_executor`'s
 arguments, validated when the executor is built.
+
+Ctrl-C or SIGTERM to `nemo` stops the run (`launch.job`): torchrun forwards SIGTERM to the ranks, which save a
+checkpoint at the end of their step and exit; torchrun kills those still running after its shutdown timeout
+(`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, default 30 s: `env_vars={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"}` for a large
+final checkpoint).
 """
 
 import re

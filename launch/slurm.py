@@ -23,7 +23,8 @@ Behaviour of NeMo-Run 0.11.1 worth knowing:
 * `check_job(task, executor)` checks before submitting what NeMo-Run leaves to the job: the recipe's
   `trainer.num_nodes`/`devices` against `nodes`/`ntasks_per_node`, parallel sizes dividing the world
   size, the partition's node count (`sinfo`), then `sbatch --test-only`; `nemo ... run.executor=slurm`
-  runs it before submitting (the layout part also with `--dryrun`);
+  runs it before submitting (the layout part also with `--dryrun`), and warns (`SlurmPathWarning`) of a relative
+  `log.log_dir` or job dir, which would resolve against the job's working directory on the compute node;
 * `env_vars` become unquoted `export KEY=value` lines, so `$VAR` expands there;
 * `container_*` need Pyxis on the cluster; without an image srun runs in the job dir,
   and NeMo-Run replaces every `/nemo_run` in the sbatch script by the job dir, so the
@@ -40,10 +41,12 @@ Behaviour of NeMo-Run 0.11.1 worth knowing:
   `Slurm job <id>: attempt <n> on <host>` (`NeMoLogger.setup`).
 """
 
+import os
 import re
 import shlex
 import shutil
 import socket
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +66,10 @@ TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default PET_SIG
 SLURM_DEFAULT_SIGNAL_SECONDS = 60
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 JOB_NAME_PREFIX = "nemo_ckpt."
+
+
+class SlurmPathWarning(UserWarning):
+    """A relative path of a Slurm job: it resolves on the compute node, against the job's working directory."""
 
 
 @dataclass(kw_only=True)
@@ -294,7 +301,9 @@ def check_layout(task: run.Partial | run.Script, executor: run.SlurmExecutor) ->
     ntasks_per_node`, and its strategy's parallel sizes fit the world size (`ParallelDims`, the strategy's own
     rules: TP x PP x CP divides it, EP divides DP x CP). A task without a Trainer (a script) passes. Raises
     `ValueError` naming the settings and both ways to fix them. Also: the data's global batch is a multiple of micro
-    batch x data-parallel size."""
+    batch x data-parallel size. Warns (`SlurmPathWarning`) of each of `relative_paths`."""
+    for message in relative_paths(task, executor):
+        warnings.warn(message, SlurmPathWarning, stacklevel=2)
     trainer = _argument(task, "trainer")
     if trainer is None:
         return
@@ -332,6 +341,30 @@ def check_layout(task: run.Partial | run.Script, executor: run.SlurmExecutor) ->
         )
     if errors:
         raise ValueError("recipe and Slurm executor do not fit: " + "; ".join(errors))
+
+
+def relative_paths(task: run.Partial | run.Script, executor: run.SlurmExecutor) -> list[str]:
+    """What would go elsewhere than meant: a relative job dir, or a relative `log.log_dir` (`explicit_log_dir`),
+    which on the compute node resolves against the job's working directory (`srun --chdir <job dir>/code`),
+    not the directory `nemo` ran in, and which the next submission, in a new job dir, would not find to resume."""
+    messages = []
+    jobs_root = executor.tunnel.job_dir or get_nemorun_home()
+    if not os.path.isabs(os.path.expanduser(jobs_root)):
+        messages.append(
+            f"job_dir {jobs_root!r} is relative: the sbatch script's paths (--output, srun --chdir) would resolve "
+            "against the working directory of sbatch and of the job on the compute node; set an absolute job_dir"
+        )
+    log = _argument(task, "log")
+    key = "explicit_log_dir" if _argument(log, "explicit_log_dir") else "log_dir"
+    log_dir = _argument(log, key)
+    if isinstance(log_dir, (str, os.PathLike)) and not os.path.isabs(os.path.expanduser(log_dir)):
+        messages.append(
+            f"log.{key}={str(log_dir)!r} is relative: on the compute node it resolves against the job's working "
+            "directory (<job dir>/code, a new one for each submission), not where nemo ran, so logs and checkpoints "
+            "land there and a resubmitted run starts afresh; set an absolute path"
+            + (f", e.g. log.{key}={os.path.abspath(log_dir)}" if isinstance(executor.tunnel, run.LocalTunnel) else "")
+        )
+    return messages
 
 
 def check_partition_nodes(executor: run.SlurmExecutor, timeout: float = 10) -> None:

@@ -68,6 +68,8 @@ __all__ = [
     "is_strided_shard",
     "lightning_ddp_kwargs",
     "nemo_run_cli_parse_union_types",
+    "nemo_run_cli_parse_union_types_with",
+    "nemo_run_cli_split_run_args",
     "nemo_run_experiment_dir",
     "numpy_array_reconstructor",
     "one_f_one_b_order",
@@ -198,3 +200,27 @@ def redirect_logger(logger: Any, save_dir: str | Path) -> None:
     logger._root_dir = str(save_dir)
     if isinstance(logger, CSVLogger):
         logger._save_dir = str(save_dir)
+
+
+def nemo_run_cli_parse_union_types_with(parse: Callable[[str, Any, Callable[[str, Any], Any]], Any]) -> None:
+    """Make NeMo-Run's command line parse PEP 604 unions (`str | list`) with `parse(value, annotation, parse_union)`,
+    where `parse_union` is NeMo-Run's own union parser (the first member that accepts the value wins)."""
+    import types
+
+    from nemo_run.cli.cli_parser import parse_value, type_parser
+
+    def parse_union_type(value: str, annotation: Any) -> Any:
+        return parse(value, annotation, type_parser.parse_union)
+
+    type_parser.register_parser(types.UnionType)(parse_union_type)
+    type_parser.get_parser.cache_clear()
+    parse_value.cache_clear()
+
+
+def nemo_run_cli_split_run_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """A command line's overrides split as NeMo-Run's `RunContext.cli_execute` splits them: those of the run context
+    (`run.executor=local` -> `executor=local`) and those of the task (`trainer.max_steps=5`)."""
+    from nemo_run.cli.api import _parse_prefixed_args
+
+    _, run_args, task_args = _parse_prefixed_args(args, "run")
+    return run_args, task_args

@@ -142,6 +142,33 @@ def test_nemo_run_cli_parses_union_types():
     assert (parsed.steps, parsed.name) == (5, "demo")
 
 
+def test_nemo_run_cli_parses_union_types_with_our_parser_falling_back_on_nemo_run_s():
+    pytest.importorskip("nemo_run")
+    from nemo_run.cli.cli_parser import parse_cli_args
+
+    def entry(paths: str | list | None = None, steps: int | None = None) -> None: ...
+
+    def parse(value, annotation, parse_union):
+        return value.split("+") if "+" in value else parse_union(value, annotation)
+
+    _compat.nemo_run_cli_parse_union_types_with(parse)
+    try:
+        parsed = parse_cli_args(entry, ["paths=a+b", "steps=5"])
+        assert (parsed.paths, parsed.steps) == (["a", "b"], 5)
+    finally:
+        from launch import overrides
+
+        overrides.register()  # the command line's parser again, for later tests in this process
+
+
+def test_nemo_run_cli_splits_run_args_as_cli_execute_does():
+    pytest.importorskip("nemo_run")
+    args = ["run.executor=local", "run.executor.ntasks_per_node=2", "trainer.max_steps=5", "run.detach=True"]
+    run_args, task_args = _compat.nemo_run_cli_split_run_args(args)
+    assert run_args == ["executor=local", "executor.ntasks_per_node=2", "detach=True"]
+    assert task_args == ["trainer.max_steps=5"]
+
+
 def test_redirect_logger_moves_lightning_loggers_keeping_name_and_version(tmp_path):
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 

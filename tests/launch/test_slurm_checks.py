@@ -1,15 +1,17 @@
 """launch.slurm.check_layout: a recipe whose Trainer does not fit the Slurm executor's job is rejected before `sbatch`
-runs, with the settings named and both ways to fix them; the command line submits nothing."""
+runs, with the settings named and both ways to fix them; the command line submits nothing. A relative log or job
+directory, which would resolve on the compute node, is warned of."""
 
 import io
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import nemo_run as run
 import pytest
 
-from launch.slurm import check_layout, slurm_executor
+from launch.slurm import SlurmPathWarning, check_layout, slurm_executor
 from recipes import pretrain_recipe
 from tests.helpers import commands
 
@@ -102,9 +104,29 @@ def test_command_line_rejects_a_mismatch_and_submits_nothing(tmp_path: Path) -> 
         "run.executor=slurm",
         "run.executor.nodes=2",
         "--yes",
+        cwd=tmp_path,
         env={**os.environ, "NEMORUN_HOME": str(home), "SLURM_CONF": str(tmp_path / "no-cluster.conf")},
     )
     output = result.stdout
+    assert result.returncode == 2 and output.splitlines()[-1].startswith("error: recipe and Slurm executor do not fit")
+    assert "warning: log.log_dir='nemo_experiments' is relative: on the compute node it resolves" in output
     assert "trainer.num_nodes=1 but the executor has nodes=2: set trainer.num_nodes=2 or run.executor.nodes=1" in output
     assert "trainer.devices=2 but the executor starts ntasks_per_node=1 ranks per node" in output
     assert not list(home.rglob("*_sbatch.sh")) and not (home / ".slurm_jobs").exists(), "nothing submitted"
+
+
+def test_relative_log_and_job_directories_are_warned_of(tmp_path: Path) -> None:
+    task, executor = recipe(), slurm_executor(nodes=2, ntasks_per_node=2)
+    with pytest.warns(SlurmPathWarning, match="log.log_dir='nemo_experiments' is relative: .*job's working directory"):
+        check_layout(task, executor)
+    task.log.explicit_log_dir = "runs/first"
+    with pytest.warns(SlurmPathWarning, match="log.explicit_log_dir='runs/first' is relative: .*e.g. log.explicit"):
+        check_layout(task, executor)
+    with pytest.warns(SlurmPathWarning, match="job_dir 'jobs' is relative"):
+        check_layout(run.Script(inline="hostname"), slurm_executor(job_dir="jobs"))
+
+    task.log.explicit_log_dir = None
+    task.log.log_dir = str(tmp_path / "runs")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlurmPathWarning)
+        check_layout(task, executor)
