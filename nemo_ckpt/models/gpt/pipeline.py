@@ -12,7 +12,8 @@ embeddings (`share_embeddings_and_output_weights`) the last stage keeps its own 
 kept equal to the first stage's by summing their gradients over the embedding group (as Megatron does).
 """
 
-from dataclasses import dataclass, replace
+import copy
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -134,8 +135,10 @@ def prune_to_stages(gpt: GPT, layouts: list[StageLayout]) -> None:
 
 def stage_module(gpt: GPT, layout: StageLayout) -> GPT:
     """A GPT running `layout`'s part of `gpt`, sharing its modules (so its parameters are `gpt`'s)."""
+    shell = copy.copy(gpt.config)  # no layers of its own: `replace` would refuse num_layers=0 as a model's config
+    shell.num_layers = 0
     with torch.device("meta"):
-        stage = GPT(replace(gpt.config, num_layers=0))
+        stage = GPT(shell)
     stage.config = gpt.config
     stage.pre_process, stage.post_process = layout.pre_process, layout.post_process
     tied_output = layout.post_process and gpt.config.share_embeddings_and_output_weights
