@@ -15,7 +15,7 @@ import logging
 import re
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal, NoReturn
@@ -64,6 +64,16 @@ def reason(error: BaseException) -> str:
     else:
         text = str(error).split(" (Argument: ", 1)[0]
     return _CONTEXT.sub("", text).splitlines()[0]
+
+
+def check_keys(args: Sequence[str]) -> None:
+    """Refuse an override whose dotted key has an empty name (`trainer..max_steps=5`), which NeMo-Run would not
+    apply where it was meant to go."""
+    for arg in args:
+        key = arg.split("=", 1)[0].rstrip("+-*/|&") if "=" in arg else ""
+        if key and "" in key.split("."):
+            fixed = ".".join(part for part in key.split(".") if part)
+            raise OverrideError(f"{arg}: the key {key!r} has an empty name between dots; did you mean {fixed!r}?")
 
 
 def explain(parse: Callable[[list[str]], object], args: tuple[str, ...] | list[str], error: Exception) -> NoReturn:
@@ -123,6 +133,7 @@ class CheckedRunContext(RunContext):
     task: run.Partial | None = field(init=False, default=None)
 
     def parse_fn(self, fn: Callable, args: list[str], **default_args) -> run.Partial:
+        check_keys(args)
         try:
             with quiet_nemo_run():
                 return super().parse_fn(fn, args, **default_args)
@@ -130,6 +141,7 @@ class CheckedRunContext(RunContext):
             explain(lambda some: super(CheckedRunContext, self).parse_fn(fn, some, **default_args), args, error)
 
     def parse_executor(self, name: str, *args: str) -> run.Partial:
+        check_keys(args)
         try:
             with quiet_nemo_run():
                 return super().parse_executor(name, *args)

@@ -28,6 +28,48 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class RestoreConfig:
+    """The checkpoint a fine-tuning run starts from, like NeMo's `nl.RestoreConfig`: its model weights (an
+    imported Hugging Face model or another run's checkpoint, any layout), with a fresh optimizer at step 0.
+
+    `load_optim_state=True` is refused: a run that continues another run's optimizer resumes it
+    (`AutoResume(resume_from_path=...)`). With `load_artifacts`, the tokenizer stored with the checkpoint (an
+    imported model's `context/hf`) replaces the data module's, as NeMo restores the model's tokenizer from the
+    checkpoint's context (`restore_artifacts`).
+    """
+
+    path: str
+    load_model_state: bool = True
+    load_optim_state: bool = False
+    load_artifacts: bool = True
+
+    def __post_init__(self) -> None:
+        if self.load_optim_state:
+            raise ValueError(
+                "RestoreConfig(load_optim_state=True) is not supported: a restored run starts a fresh optimizer; "
+                "to continue a run with its optimizer state use AutoResume(resume_from_path=...)"
+            )
+
+    def check(self) -> Path:
+        """The checkpoint to restore from; raise if it is not a complete checkpoint."""
+        path = Path(self.path)
+        if not is_complete(path):
+            raise FileNotFoundError(
+                f"RestoreConfig(path={self.path!r}) is not a complete checkpoint: {completion_marker(path)} is "
+                "missing (import a Hugging Face model with nemo_ckpt.api.import_ckpt first)"
+            )
+        return path
+
+    def tokenizer_dir(self) -> Path | None:
+        """The tokenizer stored with the checkpoint (`context/hf` with `tokenizer.json` or `tokenizer_config.json`),
+        or None if it stores none."""
+        artifacts = hf_artifacts_dir(self.path)
+        if any((artifacts / name).is_file() for name in TOKENIZER_FILES):
+            return artifacts
+        return None
+
+
+@dataclass
 class AutoResume:
     """Where a run resumes from.
 
@@ -45,7 +87,7 @@ class AutoResume:
     resume_ignore_no_checkpoint: bool = False
     resume_from_path: str | None = None
     resume_from_directory: str | None = None
-    restore_config: "bool | RestoreConfig" = False
+    restore_config: bool | RestoreConfig = False
     restore_config_trust_code: bool = False
 
     def find_checkpoint(
@@ -152,48 +194,6 @@ def _refuse_earlier_run(directory: Path, situation: str, fix: str) -> None:
             f"{directory} holds {len(complete)} checkpoints {kinds} (newest: {complete[-1].name}) and {situation}: "
             f"{fix}; or choose another log directory or name (log.log_dir, log.name), or remove them"
         )
-
-
-@dataclass
-class RestoreConfig:
-    """The checkpoint a fine-tuning run starts from, like NeMo's `nl.RestoreConfig`: its model weights (an
-    imported Hugging Face model or another run's checkpoint, any layout), with a fresh optimizer at step 0.
-
-    `load_optim_state=True` is refused: a run that continues another run's optimizer resumes it
-    (`AutoResume(resume_from_path=...)`). With `load_artifacts`, the tokenizer stored with the checkpoint (an
-    imported model's `context/hf`) replaces the data module's, as NeMo restores the model's tokenizer from the
-    checkpoint's context (`restore_artifacts`).
-    """
-
-    path: str
-    load_model_state: bool = True
-    load_optim_state: bool = False
-    load_artifacts: bool = True
-
-    def __post_init__(self) -> None:
-        if self.load_optim_state:
-            raise ValueError(
-                "RestoreConfig(load_optim_state=True) is not supported: a restored run starts a fresh optimizer; "
-                "to continue a run with its optimizer state use AutoResume(resume_from_path=...)"
-            )
-
-    def check(self) -> Path:
-        """The checkpoint to restore from; raise if it is not a complete checkpoint."""
-        path = Path(self.path)
-        if not is_complete(path):
-            raise FileNotFoundError(
-                f"RestoreConfig(path={self.path!r}) is not a complete checkpoint: {completion_marker(path)} is "
-                "missing (import a Hugging Face model with nemo_ckpt.api.import_ckpt first)"
-            )
-        return path
-
-    def tokenizer_dir(self) -> Path | None:
-        """The tokenizer stored with the checkpoint (`context/hf` with `tokenizer.json` or `tokenizer_config.json`),
-        or None if it stores none."""
-        artifacts = hf_artifacts_dir(self.path)
-        if any((artifacts / name).is_file() for name in TOKENIZER_FILES):
-            return artifacts
-        return None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

@@ -144,6 +144,10 @@ def test_a_missing_data_path_is_refused_before_anything_is_launched(tmp_path):
         ("run.executor.ntasks_per_nod=2", "local_executor: unknown option `ntasks_per_nod`; did you mean"),
         ("run.executor.ntasks_per_node=0", "invalid local executor: ntasks_per_node must be an integer >= 1, got 0"),
         ("resume.resume_from_path=/nonexistent/ckpt", "/nonexistent/ckpt"),
+        ("trainer..max_steps=5", "the key 'trainer..max_steps' has an empty name between dots; did you mean"),
+        ("trainer.max_steps=-5", "trainer.max_steps=-5: use a positive number of steps (or -1: no limit)"),
+        ("model.config.hidden_size=0", "model: GPTConfig.hidden_size=0: use a positive integer"),
+        ("data.micro_batch_size=0", "data: MockDataModule(micro_batch_size=0): use 1 or more"),
     ],
 )
 def test_options_a_user_can_fix_are_one_line_errors_before_launch(tmp_path, override, message):
@@ -163,6 +167,12 @@ def test_options_a_user_can_fix_are_one_line_errors_before_launch(tmp_path, over
     lines = result.stdout.splitlines()
     assert lines[-1].startswith("error: ") and message in lines[-1], result.stdout
     assert "Resolved Arguments" not in result.stdout and "Argument:" not in result.stdout, result.stdout
+
+
+def test_restore_config_true_is_set_on_the_command_line(tmp_path):
+    result = nemo("--factory", "tiny", "resume.restore_config=True", "--to-yaml", "recipe.yaml", cwd=tmp_path)
+    exported = yaml.safe_load((tmp_path / "recipe.yaml").read_text())
+    assert exported["resume"]["restore_config"] is True, result.stdout
 
 
 def test_a_job_that_fails_fails_the_command(tmp_path):
