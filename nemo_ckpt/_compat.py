@@ -67,7 +67,6 @@ __all__ = [
     "flatten_mesh_dims",
     "is_strided_shard",
     "lightning_ddp_kwargs",
-    "nemo_run_cli_parse_union_types",
     "nemo_run_cli_parse_union_types_with",
     "nemo_run_cli_split_run_args",
     "nemo_run_experiment_dir",
@@ -178,18 +177,6 @@ def nemo_run_experiment_dir(experiment: Any) -> Path:
 def lightning_ddp_kwargs(strategy: Any) -> dict[str, Any]:
     """The keyword arguments Lightning's `DDPStrategy` keeps for `DistributedDataParallel`."""
     return strategy._ddp_kwargs
-
-
-def nemo_run_cli_parse_union_types() -> None:
-    """Make NeMo-Run's command line parse `int | None` (`types.UnionType`) like `Optional[int]`: 0.11 knows
-    only `typing.Union`, so `log.ckpt.every_n_train_steps=5` or `--yaml` setting such a field fails."""
-    import types
-
-    from nemo_run.cli.cli_parser import parse_value, type_parser
-
-    type_parser.register_parser(types.UnionType)(type_parser.parse_union)
-    type_parser.get_parser.cache_clear()
-    parse_value.cache_clear()
 
 
 def redirect_logger(logger: Any, save_dir: str | Path) -> None:

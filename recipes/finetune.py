@@ -20,6 +20,7 @@ from nemo_ckpt.models.gpt.convert.hf import checkpoint_gpt_config
 from nemo_ckpt.optim import OptimizerConfig
 from nemo_ckpt.peft import LoRA
 from recipes.gpt import trainer
+from recipes.strict_config import StrictConfig
 
 PEFT_SCHEMES = ("lora", "none")
 
@@ -60,33 +61,33 @@ def finetune_recipe(
     data_parallel_size = num_nodes * num_gpus_per_node
     recipe = run.Partial(
         finetune,
-        model=run.Config(GPTModel, config=run.Config(type(model), **vars(model))),
-        data=run.Config(
+        model=StrictConfig(GPTModel, config=StrictConfig(type(model), **vars(model))),
+        data=StrictConfig(
             FineTuningDataModule,
             dataset_root=dataset_root,
             tokenizer=tokenizer,
             seq_length=seq_length or min(model.seq_length, 2048),
             micro_batch_size=micro_batch_size,
             global_batch_size=global_batch_size or micro_batch_size * data_parallel_size,
-            packed_sequence_specs=run.Config(PackedSequenceSpecs) if packed_sequence else None,
+            packed_sequence_specs=StrictConfig(PackedSequenceSpecs) if packed_sequence else None,
         ),
         trainer=trainer(num_nodes, num_gpus_per_node, max_steps),
-        log=run.Config(
+        log=StrictConfig(
             NeMoLogger,
             name=name,
             log_dir=dir or "nemo_experiments",
-            ckpt=run.Config(ModelCheckpoint, save_top_k=1, save_last=True, every_n_train_steps=10),
+            ckpt=StrictConfig(ModelCheckpoint, save_top_k=1, save_last=True, every_n_train_steps=10),
         ),
-        resume=run.Config(
+        resume=StrictConfig(
             AutoResume,
-            restore_config=run.Config(RestoreConfig, path=restore_path),
+            restore_config=StrictConfig(RestoreConfig, path=restore_path),
             resume_if_exists=True,
             resume_ignore_no_checkpoint=True,
         ),
-        optim=run.Config(OptimizerConfig, lr=1e-4 if peft_scheme == "none" else 1e-3, min_lr=1e-5, lr_warmup_steps=2),
+        optim=StrictConfig(OptimizerConfig, lr=1e-4 if peft_scheme == "none" else 1e-3, min_lr=1e-5, lr_warmup_steps=2),
     )
     if peft_scheme == "lora":
-        recipe.peft = run.Config(LoRA)
+        recipe.peft = StrictConfig(LoRA)
     return recipe
 
 

@@ -20,11 +20,12 @@ from nemo_ckpt.models import GPTModel, gpt_config
 from nemo_ckpt.optim import OptimizerConfig
 from nemo_ckpt.parallel import DistributedDataParallelConfig
 from nemo_ckpt.strategy import MegatronStrategy
+from recipes.strict_config import StrictConfig
 
 
 def ddp(data_parallel_sharding_strategy: str = "no_shard") -> run.Config[DistributedDataParallelConfig]:
     """NeMo's recipe defaults: NaN checks, fp32 gradient reduction, overlapped communication."""
-    return run.Config(
+    return StrictConfig(
         DistributedDataParallelConfig,
         data_parallel_sharding_strategy=data_parallel_sharding_strategy,
         check_for_nan_in_grad=True,
@@ -46,12 +47,12 @@ def trainer(
 
     `PreemptionCallback` checkpoints, stops and requeues the Slurm job on SIGUSR1 (`--signal=USR1@N`).
     """
-    return run.Config(
+    return StrictConfig(
         pl.Trainer,
         accelerator="auto",
         devices=num_gpus_per_node,
         num_nodes=num_nodes,
-        strategy=run.Config(MegatronStrategy, ddp=ddp(data_parallel_sharding_strategy)),
+        strategy=StrictConfig(MegatronStrategy, ddp=ddp(data_parallel_sharding_strategy)),
         max_steps=max_steps,
         val_check_interval=val_check_interval,
         check_val_every_n_epoch=None,
@@ -63,7 +64,7 @@ def trainer(
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
-        callbacks=[run.Config(PreemptionCallback)],
+        callbacks=[StrictConfig(PreemptionCallback)],
     )
 
 
@@ -99,19 +100,19 @@ def pretrain_recipe(
     }
     return run.Partial(
         pretrain,
-        model=run.Config(GPTModel, config=run.Config(type(model), **{**vars(model), "vocab_size": None})),
+        model=StrictConfig(GPTModel, config=StrictConfig(type(model), **{**vars(model), "vocab_size": None})),
         data=data_module(data, model.vocab_size, dir or "nemo_experiments", data_paths, tokenizer, **batch),
         trainer=trainer(num_nodes, num_gpus_per_node, max_steps),
-        log=run.Config(
+        log=StrictConfig(
             NeMoLogger,
             name=name,
             log_dir=dir or "nemo_experiments",
-            ckpt=run.Config(
+            ckpt=StrictConfig(
                 ModelCheckpoint, monitor="reduced_train_loss", save_top_k=2, save_last=True, every_n_train_steps=10
             ),
         ),
-        resume=run.Config(AutoResume, resume_if_exists=True, resume_ignore_no_checkpoint=True),
-        optim=run.Config(OptimizerConfig, lr=3e-3, min_lr=3e-4, lr_warmup_steps=2),
+        resume=StrictConfig(AutoResume, resume_if_exists=True, resume_ignore_no_checkpoint=True),
+        optim=StrictConfig(OptimizerConfig, lr=3e-3, min_lr=3e-4, lr_warmup_steps=2),
     )
 
 
@@ -123,18 +124,18 @@ def data_module(
     if data == "mock":
         if data_paths is not None or tokenizer is not None:
             raise ValueError("data='mock' generates its sequences: data_paths= and tokenizer= go with data='real'")
-        return run.Config(MockDataModule, vocab_size=vocab_size, **batch)
+        return StrictConfig(MockDataModule, vocab_size=vocab_size, **batch)
     if data != "real":
         raise ValueError(f"data={data!r}: choose 'mock' or 'real'")
     if data_paths is None:
         if tokenizer is not None:
             raise ValueError("tokenizer= goes with data_paths=; the generated corpus brings its own tokenizer")
         corpus = os.path.join(log_dir, "data", "tiny_corpus")
-        data_paths = run.Config(prepare_tiny_corpus, directory=corpus, vocab_size=vocab_size)
+        data_paths = StrictConfig(prepare_tiny_corpus, directory=corpus, vocab_size=vocab_size)
         tokenizer = os.path.join(corpus, "tokenizer")
     if tokenizer is None:
         raise ValueError("data='real' with data_paths needs tokenizer= (a local tokenizer directory or 'byte-level')")
-    return run.Config(
+    return StrictConfig(
         PreTrainingDataModule, paths=data_paths, tokenizer=tokenizer, split="969,30,1", num_workers=0, **batch
     )
 

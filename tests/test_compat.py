@@ -131,17 +131,6 @@ def test_nemo_run_experiment_dir(tmp_path):
     assert directory.parent.name == "canary" and tmp_path in directory.parents
 
 
-def test_nemo_run_cli_parses_union_types():
-    pytest.importorskip("nemo_run")
-    from nemo_run.cli.cli_parser import parse_cli_args
-
-    def entry(steps: int | None = None, name: str | None = None) -> None: ...
-
-    _compat.nemo_run_cli_parse_union_types()
-    parsed = parse_cli_args(entry, ["steps=5", "name=demo"])
-    assert (parsed.steps, parsed.name) == (5, "demo")
-
-
 def test_nemo_run_cli_parses_union_types_with_our_parser_falling_back_on_nemo_run_s():
     pytest.importorskip("nemo_run")
     from nemo_run.cli.cli_parser import parse_cli_args

@@ -5,9 +5,11 @@ from pathlib import Path
 import fiddle as fdl
 import lightning.pytorch as pl
 import nemo_run as run
+import pytest
 
 from nemo_ckpt.api import pretrain
 from nemo_ckpt.models import GPTModel
+from nemo_ckpt.options import UnknownOptionError, UnsupportedOptionError
 from nemo_ckpt.strategy import MegatronStrategy
 from recipes import pretrain_recipe
 from tests.helpers import commands
@@ -50,3 +52,15 @@ def test_cli_dryrun_prints_resolved_config():
     assert "max_steps=33" in out and "hidden_size=96" in out and "strategy=MegatronStrategy(" in out
     assert "ddp=DistributedDataParallelConfig(" in out
     assert "LocalExecutor(" in out and "launcher='torchrun'" in out and "ntasks_per_node=2" in out
+
+
+def test_an_option_set_from_python_is_refused_as_on_the_command_line():
+    recipe = pretrain_recipe()
+    with pytest.raises(UnsupportedOptionError, match=r"^MegatronStrategy: not supported: use_sharp \(NeMo meaning"):
+        recipe.trainer.strategy.use_sharp = True
+    with pytest.raises(UnknownOptionError, match=r"unknown option `ckpt_async_sav`; did you mean `ckpt_async_save`"):
+        recipe.trainer.strategy.ckpt_async_sav = True
+    with pytest.raises(UnknownOptionError, match=r"^ModelCheckpoint: unknown option `every_n_train_step`; did you"):
+        recipe.log.ckpt.every_n_train_step = 5
+    recipe.trainer.strategy.ckpt_async_save = True
+    assert "StrictConfig" not in repr(recipe), "NeMo-Run shows the recipe's configs as run.Config"
