@@ -40,6 +40,11 @@ def dryrun_prints_config_and_runs_nothing(directory: Path, output: str) -> None:
     assert not (directory / "nemo_experiments").exists()
 
 
+def daily_loop_extends_the_finished_run(directory: Path, output: str) -> None:
+    assert complete_steps(directory / "runs" / "tiny" / "checkpoints") == [10, 15], output[-3000:]
+    assert re.search(r"resuming from runs/tiny/checkpoints/\S+step=10 at step 10, consumed_samples 80", output), output
+
+
 @dataclass(frozen=True)
 class Claim:
     """What the documentation says a block leaves behind, checked after the block that contains `text`."""
@@ -54,6 +59,7 @@ CLAIMS = (
     Claim(
         "python -m nemo_ckpt runs nemo_experiments && python -m nemo_ckpt plot", runs_lists_both_versions_and_plots_them
     ),
+    Claim("tokenizer='tok')\" trainer.max_steps=15 run.executor=local --yes", daily_loop_extends_the_finished_run),
     Claim(
         "model.config.num_layers=4 run.executor=local run.executor.ntasks_per_node=2 --dryrun",
         dryrun_prints_config_and_runs_nothing,
