@@ -44,6 +44,7 @@ from nemo_ckpt.checkpoint.layout import (
 from nemo_ckpt.checkpoint.lock import DirectoryLock
 from nemo_ckpt.checkpoint.manifest import CheckpointRecord, Manifest
 from nemo_ckpt.dist_checkpointing.core import fsync_path
+from nemo_ckpt.dist_checkpointing.fault_points import pause_point
 from nemo_ckpt.options import strict_options
 
 log = logging.getLogger(__name__)
@@ -362,10 +363,12 @@ class ModelCheckpoint(Callback):
         for directory in (weights_dir(tmp), context_dir(tmp), tmp):  # every file was fsynced by its writer
             if directory.is_dir():
                 fsync_path(directory)
+        pause_point("before-commit-rename")
         if final.exists():
             os.replace(final, replaced)
         os.replace(tmp, final)
         fsync_path(self.dirpath)
+        pause_point("before-manifest-commit")
         manifest = Manifest.read(self.dirpath)
         record.state = "complete"
         manifest.update(record)
@@ -498,6 +501,7 @@ class ModelCheckpoint(Callback):
                 manifest.remove(record.name)
         newest = manifest.newest()
         manifest.last = newest.name if self.save_last and newest else None
+        pause_point("recover")
         manifest.write(self.dirpath)
         self._link_last(manifest.last)
         self._delete(deleting)

@@ -16,6 +16,7 @@ from typing import Any
 
 from .core import CONFIG_FNAME, CheckpointingConfig, CheckpointingException, config_document, save_config
 from .dict_utils import extract_matching_values, merge
+from .fault_points import pause_point
 from .integrity import record_file_checksum
 from .mapping import (
     CommonStateDict,
@@ -304,6 +305,7 @@ def _finalize_save(config: CheckpointingConfig, checkpoint_dir: Path) -> None:
     and writes metadata.json, the completeness marker."""
     barrier()
     if get_rank() == 0:
+        pause_point("before-metadata-json")
         record_file_checksum(checkpoint_dir, CONFIG_FNAME, config_document(config))
         save_config(config, checkpoint_dir)
     barrier()

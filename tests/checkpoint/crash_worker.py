@@ -1,5 +1,6 @@
 """One rank of the tiny recipe for the crash tests, started from a forkserver that has imported everything, so a
-2-rank run starts in well under a second and can be SIGKILLed many times per test."""
+2-rank run starts in well under a second and can be SIGKILLed many times per test. A rank given a pause point pauses
+there (`nemo_ckpt.dist_checkpointing.fault_points`), so the test's SIGKILL lands at that point."""
 
 import os
 from pathlib import Path
@@ -7,6 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from nemo_ckpt.dist_checkpointing.fault_points import PAUSE_AT, PAUSE_MARKER
 from tests.helpers.recipe import train
 
 SAVE_EVERY = 2
@@ -46,8 +48,11 @@ def rank_main(
     save_top_k: int,
     progress: str,
     log: str,
+    pause_at: str | None = None,
+    pause_marker: str | None = None,
 ) -> None:
-    """Train as rank `rank` of `world_size` (torchrun's environment), output to `log`."""
+    """Train as rank `rank` of `world_size` (torchrun's environment), output to `log`; with `pause_at`
+    (`<point>[@<n>]`), pause there, writing `pause_marker` once paused."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -61,6 +66,8 @@ def rank_main(
         GROUP_RANK="0",
         NODE_RANK="0",
     )
+    if pause_at is not None:
+        os.environ.update({PAUSE_AT: pause_at, PAUSE_MARKER: str(pause_marker)})
     train(
         Path(directory),
         max_steps,

@@ -33,15 +33,17 @@ def node_logs(log: str) -> dict[int, str]:
     return {node: "".join(texts) for node, texts in chunks.items()}
 
 
-def attempts(log: str, job_id: str) -> list[str]:
-    """One node's `log` (`node_logs`) cut at each attempt's first `Slurm job <id>: attempt <n> on` (n = 1, 2, ...);
-    what comes before the first one (torchrun's start) belongs to attempt 1."""
+def attempts(log: str, job_id: str) -> dict[int, str]:
+    """One node's `log` (`node_logs`) cut at each attempt's first `Slurm job <id>: attempt <n> on`: `{n: its text}`;
+    what comes before the first one (torchrun's start) belongs to it. An attempt can be missing: one that ended before
+    this node's rank logged its line (the other node failed first), or whose lines were lost with a killed node."""
     starts: dict[int, int] = {}
     for match in re.finditer(rf"Slurm job {job_id}: attempt (\d+) on ", log):
         starts.setdefault(int(match[1]), match.start())
-    assert sorted(starts) == list(range(1, len(starts) + 1)), f"attempts {sorted(starts)} in the log"
-    bounds = [0, *sorted(starts.values())[1:], len(log)]
-    return [log[begin:end] for begin, end in zip(bounds, bounds[1:])]
+    numbers = sorted(starts, key=starts.get)
+    assert numbers == sorted(numbers), f"attempts {numbers} out of order in the log"
+    bounds = [0, *(starts[n] for n in numbers[1:]), len(log)]
+    return {n: log[begin:end] for n, begin, end in zip(numbers, bounds, bounds[1:])}
 
 
 def nemo(*args: str) -> str:

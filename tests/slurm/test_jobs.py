@@ -14,7 +14,16 @@ def test_node_logs_keep_a_line_whole_when_srun_cuts_it_and_the_other_node_prints
     )
     logs = node_logs(log)
     assert logs.keys() == {0, 1}
-    first, second = attempts(logs[0], "7")
+    assert attempts(logs[0], "7").keys() == {1, 2}
+    first, second = attempts(logs[0], "7").values()
     assert "Timed out waiting 20000ms" in first and "Connection closed" not in first
     assert second == "Slurm job 7: attempt 2 on node0\n"
-    assert attempts(logs[1], "7") == [logs[1]]
+    assert attempts(logs[1], "7") == {1: logs[1]}
+
+
+def test_attempts_of_a_node_may_skip_one_that_left_no_line() -> None:
+    log = "torchrun starts\nSlurm job 7: attempt 1 on node0\nfailed\nSlurm job 7: attempt 3 on node0\ndone\n"
+    assert attempts(log, "7") == {
+        1: "torchrun starts\nSlurm job 7: attempt 1 on node0\nfailed\n",
+        3: "Slurm job 7: attempt 3 on node0\ndone\n",
+    }

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ..core import CheckpointingException
 from ..exchange_utils import collective_device
+from ..fault_points import pause_point
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ class AsyncCaller:
             try:
                 if request.async_fn is not None:
                     request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
+                pause_point("async-write-done")
             except BaseException as error:  # reported at finalize, on the training side
                 call.error = error
             finally:

@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..._compat import StorageInfo, dcp_write_item, write_tensor
 from ..core import CheckpointingException
+from ..fault_points import pause_point
 from ..integrity import (
     CHECKSUMS_FNAME,
     CHECKSUMS_MARKER,
@@ -339,6 +340,7 @@ class FileSystemWriterAsync:
             cache.local_items = self.items
 
     def _write_metadata(self, gathered: list) -> None:
+        pause_point("before-dcp-metadata")
         cache = self.cache or MetadataCache()
         all_items = [items if items is not None else cache.all_items[rank] for rank, (items, *_) in enumerate(gathered)]
         if any(items is not None for items, *_ in gathered) or not cache.state_dict_metadata:
@@ -540,6 +542,8 @@ def _write_file(
         os.fsync(stream.file.fileno())
         if checksums is not None:
             checksums[name] = [checksum_range for crc in crcs for checksum_range in crc.result()]
+    if name.endswith("_0.distcp"):  # the rank's first file (`__<rank>_<i>.distcp`)
+        pause_point("distcp-written")
     return results
 
 

@@ -49,6 +49,7 @@ from torch.futures import Future
 
 from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_outplace, nested_values
+from ..fault_points import pause_point
 from ..integrity import Checksums, CorruptCheckpointError, Corruption, expected_checksums, safe_relative_path
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, flat_range_boxes, is_main_replica
 from ..safe_globals import DCPMetadataUnpickler, UnsafeCheckpointError, safe_torch_load
@@ -416,6 +417,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
         planner = _ChunkLoadPlanner(items, chunks, checkpoint_dir, self.allow_unsafe_pickle)
         _dcp_load(reader, planner, checkpoint_dir)
+        pause_point("restore-read")
         for copy_back in copy_backs:
             copy_back()
 
