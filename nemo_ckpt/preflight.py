@@ -19,6 +19,7 @@ from nemo_ckpt.checkpoint.resume import AutoResume
 from nemo_ckpt.logger import NeMoLogger
 from nemo_ckpt.options import check_config_options
 from nemo_ckpt.parallel.mesh import PARALLEL_SIZE_OPTIONS, ParallelDims
+from nemo_ckpt.parallel.pipeline import PipelineConfig
 
 USER_ERRORS = (ValueError, TypeError, KeyError, OSError, RuntimeError)
 
@@ -33,8 +34,10 @@ def check_task(task: fdl.Buildable) -> None:
         check_config_options(task)
     except USER_ERRORS as error:
         raise PreflightError(str(error)) from error
-    _check_trainer(_argument(task, "trainer"))
+    dims = _check_trainer(_argument(task, "trainer"))
     model, data = _build(task, "model"), _build(task, "data")
+    if dims is not None and data is not None:
+        _check_batch(dims, _argument(_argument(task, "trainer"), "strategy"), data)
     log = _build(task, "log") or NeMoLogger()
     resume = _build(task, "resume") or AutoResume()
     strategy = _argument(_argument(task, "trainer"), "strategy")
@@ -50,11 +53,12 @@ def check_task(task: fdl.Buildable) -> None:
         raise PreflightError(_message(error)) from error
 
 
-def _check_trainer(trainer: Any) -> None:
-    """The Trainer's step limit and size, and its strategy's parallel sizes against that size (`ParallelDims`),
-    read from the config: building a Trainer here would set up devices in this process."""
+def _check_trainer(trainer: Any) -> ParallelDims | None:
+    """The Trainer's step limit and size, and its strategy's parallel sizes against that size (`ParallelDims`,
+    returned; None where the size is known only once the processes start), read from the config: building a
+    Trainer here would set up devices in this process."""
     if not isinstance(trainer, fdl.Buildable):
-        return
+        return None
     max_steps = _argument(trainer, "max_steps", -1)
     if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < -1 or max_steps == 0:
         raise PreflightError(f"trainer.max_steps={max_steps!r}: use a positive number of steps (or -1: no limit)")
@@ -63,15 +67,40 @@ def _check_trainer(trainer: Any) -> None:
         if isinstance(value, int) and not isinstance(value, bool) and value < 1:
             raise PreflightError(f"trainer.{name}={value}: use 1 or more")
     if not all(isinstance(value, int) for value in sizes.values()):
-        return  # devices="auto" and such: known once the processes start
+        return None  # devices="auto" and such: known once the processes start
     strategy = _argument(trainer, "strategy")
     given = {dim: _argument(strategy, option, 1) for dim, option in PARALLEL_SIZE_OPTIONS.items()}
     try:
-        ParallelDims(sizes["num_nodes"] * sizes["devices"], **given)
+        return ParallelDims(sizes["num_nodes"] * sizes["devices"], **given)
     except (ValueError, TypeError) as error:
         raise PreflightError(
             f"trainer.strategy: {error} (trainer.num_nodes={sizes['num_nodes']} x trainer.devices={sizes['devices']})"
         ) from error
+
+
+def _check_batch(dims: ParallelDims, strategy: Any, data: Any) -> None:
+    """The global batch against micro-batch x data-parallel size, and the micro-batches per step against the
+    pipeline schedule, as the data module's setup and the strategy would find them on every rank."""
+    micro, global_batch = getattr(data, "micro_batch_size", None), getattr(data, "global_batch_size", None)
+    if not isinstance(micro, int):
+        return
+    per_step = micro * dims.dp
+    global_batch = per_step if global_batch is None else global_batch
+    if global_batch % per_step:
+        raise PreflightError(
+            f"data.global_batch_size={global_batch} must be a multiple of data.micro_batch_size x data-parallel "
+            f"size = {micro} x {dims.dp}"
+        )
+    if dims.pp == 1:
+        return
+    try:
+        PipelineConfig(
+            dims.pp,
+            _argument(strategy, "virtual_pipeline_model_parallel_size"),
+            schedule=_argument(strategy, "pipeline_schedule"),
+        ).validate_microbatches(global_batch // per_step)
+    except ValueError as error:
+        raise PreflightError(f"data.global_batch_size={global_batch}: {error}") from error
 
 
 def _argument(config: Any, name: str, default: Any = None) -> Any:

@@ -106,3 +106,28 @@ def test_values_that_cannot_work_are_refused_with_their_key(tmp_path, key, value
     setattr(functools.reduce(getattr, parents, recipe), name, value)
     with pytest.raises(PreflightError, match=message):
         check_task(recipe)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (
+            {"trainer.strategy.pipeline_model_parallel_size": 2},
+            r"^data.global_batch_size=4: The 1f1b pipeline schedule needs at least pipeline_model_parallel_size=2 .* "
+            r"= 1 micro-batches",
+        ),
+        (
+            {"data.global_batch_size": 6},
+            r"^data.global_batch_size=6 must be a multiple of data.micro_batch_size x data-parallel size = 4 x 2",
+        ),
+    ],
+)
+def test_a_global_batch_the_layout_cannot_run_is_refused(tmp_path, settings, message):
+    recipe = pretrain_recipe(dir=str(tmp_path), num_gpus_per_node=2)
+    for key, value in settings.items():
+        *parents, name = key.split(".")
+        setattr(functools.reduce(getattr, parents, recipe), name, value)
+    with pytest.raises(PreflightError, match=message):
+        check_task(recipe)
+    recipe.data.global_batch_size = 8
+    check_task(recipe)

@@ -36,14 +36,19 @@ class KillAtStep(pl.Callback):
 def tiny_recipe(
     directory: str, max_steps: int, options: dict[str, Any] | None = None, kill_at_step: int | None = None
 ) -> run.Partial:
-    """The tiny recipe checkpointing every 5 steps, keeping all, with `options` set on its strategy."""
+    """The tiny recipe checkpointing every 5 steps, keeping all, with `options` set on its strategy (a dotted
+    name, `data.global_batch_size`, is set on the recipe instead)."""
     recipe = pretrain_recipe(
         name=RUN_NAME, dir=directory, num_gpus_per_node=int(os.environ.get("WORLD_SIZE", 1)), max_steps=max_steps
     )
     recipe.log.ckpt.every_n_train_steps = 5
     recipe.log.ckpt.save_top_k = -1
     for name, value in (options or {}).items():
-        setattr(recipe.trainer.strategy, name, value)
+        *parents, leaf = name.split(".")
+        target = recipe if parents else recipe.trainer.strategy
+        for parent in parents:
+            target = getattr(target, parent)
+        setattr(target, leaf, value)
     if kill_at_step is not None:
         recipe.trainer.callbacks = [run.Config(KillAtStep, step=kill_at_step)]
     return recipe

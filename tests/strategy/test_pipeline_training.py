@@ -93,7 +93,7 @@ def test_resume_loads_identical_weights_and_optimizer_state(chain, phase):
 
 
 def test_kill_mid_run_under_pipeline_resumes_bit_identically(tmp_path):
-    options = {"pipeline_model_parallel_size": 2}  # the tiny recipe: 2 micro-batches of 4 per step
+    options = {"pipeline_model_parallel_size": 2, "data.global_batch_size": 8}  # 2 micro-batches of 4 per step
     uninterrupted_dir, crashed_dir = tmp_path / "uninterrupted", tmp_path / "crashed"
     assert tiny_run.run_tiny(uninterrupted_dir, max_steps=10, options=options) == 0
     assert tiny_run.run_tiny(crashed_dir, max_steps=10, options=options, kill_at_step=7) != 0
