@@ -31,9 +31,11 @@ def mount_tmpfs(path: Path, size: str) -> bool:
 
 
 def make_unwritable(path: Path) -> None:
-    """Read-only for this user: a read-only remount for root (who ignores permissions), else `chmod 555`."""
+    """Read-only for this user: for root (who ignores permissions) a read-only bind mount over `path` (a plain
+    read-only remount is refused while the run holds its writer lock open), else `chmod 555`."""
     if os.geteuid() == 0:
-        subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
+        subprocess.run(["mount", "--bind", str(path), str(path)], check=True)
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], check=True)
     else:
         path.chmod(0o555)
 
@@ -93,7 +95,7 @@ def outcome(tmp_path_factory):
             run_distributed(failing_saves, 2, str(root), full and str(full), read_only and str(read_only)),
         )
     finally:
-        for path in (full, read_only):
+        for path in (full, read_only, read_only):  # read_only: the bind mount, then the tmpfs under it
             if path is not None and os.geteuid() == 0:
                 subprocess.run(["umount", "-l", str(path)], check=False)
 
