@@ -4,7 +4,9 @@ Each block runs in its own temporary directory (or the one of the block it follo
 installed package and its environment activated (the test's Python environment first on PATH, as
 `. .venv/bin/activate` does; `PYTHONPATH` unset; `NEMORUN_HOME` in the temporary directory): bash blocks with
 `bash -e` (a failing line stops the block; as in any `set -e` script, a failure before the last `&&` of a line stops
-it only on the block's last line, so chain a block's steps on one line or write them one per line), Python blocks as
+it only on the block's last line, so chain a block's steps on one line or write them one per line), their `nemo`
+commands run by a preloaded process (`tests.helpers.preloaded_nemo`: the real `nemo` is started by
+`tests/launch/test_stop.py`), Python blocks as
 a script (`python snippet.py`, in a preloaded process: `tests.helpers.commands.python_script`). Blocks in other
 languages (trees, tables, YAML) are not run. Blocks are named `README.md:LINE-bash`.
 
@@ -38,6 +40,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 from tests.helpers.commands import python_script
+from tests.helpers.preloaded_nemo import nemo_bin
 
 REPO = Path(__file__).resolve().parents[2]
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -170,7 +173,7 @@ def run_snippet(snippet: Snippet, directory: Path) -> subprocess.CompletedProces
     return subprocess.run(
         ["bash", "-e", "snippet.sh"],
         cwd=directory,
-        env=env,
+        env=env | {"PATH": f"{nemo_bin()}{os.pathsep}{env['PATH']}"},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
