@@ -204,6 +204,14 @@ def nemo_run_cli_parse_union_types_with(parse: Callable[[str, Any, Callable[[str
     parse_value.cache_clear()
 
 
+def register_fiddle_cast(source: type, target: type) -> None:
+    """Mark `fdl.cast(target, <a source config>)` as supported: Fiddle logs a warning for each other cast, and
+    NeMo-Run casts every config of a task it launches to its own classes."""
+    from fiddle._src.casting import register_supported_cast
+
+    register_supported_cast(source, target)
+
+
 def nemo_run_cli_split_run_args(args: list[str]) -> tuple[list[str], list[str]]:
     """A command line's overrides split as NeMo-Run's `RunContext.cli_execute` splits them: those of the run context
     (`run.executor=local` -> `executor=local`) and those of the task (`trainer.max_steps=5`)."""

@@ -150,6 +150,20 @@ def test_nemo_run_cli_parses_union_types_with_our_parser_falling_back_on_nemo_ru
         overrides.register()  # the command line's parser again, for later tests in this process
 
 
+def test_register_fiddle_cast_silences_fiddle_s_warning(caplog):
+    import fiddle as fdl
+
+    class Source(fdl.Config): ...
+
+    class Target(fdl.Config): ...
+
+    fdl.cast(Target, Source(dict))
+    assert "has not been marked as officially supported" in caplog.text
+    caplog.clear()
+    _compat.register_fiddle_cast(Source, Target)
+    assert isinstance(fdl.cast(Target, Source(dict)), Target) and not caplog.text
+
+
 def test_nemo_run_cli_splits_run_args_as_cli_execute_does():
     pytest.importorskip("nemo_run")
     args = ["run.executor=local", "run.executor.ntasks_per_node=2", "trainer.max_steps=5", "run.detach=True"]

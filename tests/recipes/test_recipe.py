@@ -64,3 +64,8 @@ def test_an_option_set_from_python_is_refused_as_on_the_command_line():
         recipe.log.ckpt.every_n_train_step = 5
     recipe.trainer.strategy.ckpt_async_save = True
     assert "StrictConfig" not in repr(recipe), "NeMo-Run shows the recipe's configs as run.Config"
+
+
+def test_nemo_run_casts_the_recipe_s_configs_without_fiddle_s_warning(caplog):
+    strategy = pretrain_recipe().trainer.strategy
+    assert isinstance(fdl.cast(run.Config, strategy), run.Config) and not caplog.text
