@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from nemo_ckpt.models.gpt.convert.hf import checkpoint_gpt_config, export_hf, import_hf
+from nemo_ckpt.models.gpt.convert.checkpoint_io import checkpoint_gpt_config
+from nemo_ckpt.models.gpt.convert.hf import export_hf, import_hf
 from nemo_ckpt.models.gpt.convert.megatron import export_megatron, import_megatron
 from nemo_ckpt.models.gpt.model import GPTConfig
 from nemo_ckpt.peft.merge import adapter_config, merged_tensor_reader

@@ -16,7 +16,7 @@ from nemo_ckpt.checkpoint.resume import RestoreConfig
 from nemo_ckpt.data.sft import FineTuningDataModule, PackedSequenceSpecs
 from nemo_ckpt.logger import NeMoLogger
 from nemo_ckpt.models import GPTModel, gpt_config
-from nemo_ckpt.models.gpt.convert.hf import checkpoint_gpt_config
+from nemo_ckpt.models.gpt.convert.checkpoint_io import checkpoint_gpt_config
 from nemo_ckpt.optim import OptimizerConfig
 from nemo_ckpt.peft import LoRA
 from recipes.gpt import trainer

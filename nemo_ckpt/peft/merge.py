@@ -11,10 +11,8 @@ from nemo_ckpt import dist_checkpointing
 from nemo_ckpt.checkpoint.context import save_context
 from nemo_ckpt.checkpoint.layout import hf_artifacts_dir, weights_dir
 from nemo_ckpt.dist_checkpointing import ShardedTensor
+from nemo_ckpt.models.gpt.convert.checkpoint_io import ConversionOutput, checkpoint_model, checkpoint_tensor_reader
 from nemo_ckpt.models.gpt.convert.hf import (
-    _Output,
-    checkpoint_model,
-    checkpoint_tensor_reader,
     copy_artifacts,
     gpt_shapes,
     hf_artifact_sources,
@@ -55,7 +53,7 @@ def merge(checkpoint: str | Path, output: str | Path, overwrite: bool = False) -
     """Write the full checkpoint `base + adapters` of the adapter checkpoint `checkpoint` to `output`: weights,
     the model config without `peft`, and `context/hf`: the tokenizer the adapters were trained with (the base's if
     `checkpoint` stores none) and the base's Hugging Face model config, if any."""
-    out = _Output(Path(output), overwrite)
+    out = ConversionOutput(Path(output), overwrite)
     model = checkpoint_model(checkpoint)
     base, read = merged_tensor_reader(checkpoint)
     config = fdl.build(model.config)

@@ -17,7 +17,7 @@ from nemo_ckpt.data.sft import FineTuningDataModule  # noqa: E402
 from nemo_ckpt.data.tokenizer import get_tokenizer, train_bpe_tokenizer  # noqa: E402
 from nemo_ckpt.logger import NeMoLogger  # noqa: E402
 from nemo_ckpt.models import GPTModel  # noqa: E402
-from nemo_ckpt.models.gpt.convert.hf import checkpoint_gpt_config  # noqa: E402
+from nemo_ckpt.models.gpt.convert.checkpoint_io import checkpoint_gpt_config  # noqa: E402
 from nemo_ckpt.strategy import MegatronStrategy  # noqa: E402
 
 TEXT = "echo the words back: alpha beta gamma delta"

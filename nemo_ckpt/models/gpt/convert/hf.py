@@ -21,15 +21,13 @@ import logging
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import fiddle as fdl
 import torch
 
 from nemo_ckpt import dist_checkpointing
-from nemo_ckpt.checkpoint.context import load_context, save_context
+from nemo_ckpt.checkpoint.context import save_context
 from nemo_ckpt.checkpoint.hf_tokenizer import (
     TOKENIZER_FILES,
     has_tokenizer,
@@ -38,9 +36,13 @@ from nemo_ckpt.checkpoint.hf_tokenizer import (
     vocabulary_size,
     write_files,
 )
-from nemo_ckpt.checkpoint.layout import TMP_PREFIX, context_dir, hf_artifacts_dir, is_complete, weights_dir
+from nemo_ckpt.checkpoint.layout import hf_artifacts_dir, weights_dir
 from nemo_ckpt.dist_checkpointing import ShardedTensor
-from nemo_ckpt.dist_checkpointing.integrity import write_directory_checksums
+from nemo_ckpt.models.gpt.convert.checkpoint_io import (
+    ConversionOutput,
+    checkpoint_gpt_config,
+    checkpoint_tensor_reader,
+)
 from nemo_ckpt.models.gpt.convert.safetensors_io import (
     MalformedModelError,
     TensorSpec,
@@ -275,38 +277,6 @@ def copy_artifacts(config_dir: Path | None, tokenizer_dir: Path | None, target: 
         shutil.copy2(path, target / path.name)
 
 
-@dataclass(frozen=True)
-class _Output:
-    """An output directory written under a temporary name beside it and renamed into place at the end."""
-
-    path: Path
-    overwrite: bool
-
-    def __post_init__(self) -> None:
-        if self.path.exists() and not self.overwrite:
-            raise FileExistsError(f"{self.path} already exists; choose another output or pass overwrite=True")
-
-    @property
-    def tmp(self) -> Path:
-        return self.path.parent / f"{TMP_PREFIX}{self.path.name}"
-
-    def start(self) -> Path:
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir(parents=True)
-        return self.tmp
-
-    def commit(self) -> Path:
-        if context_dir(self.tmp).is_dir():  # a checkpoint of ours, whole now: its context's checksums go with it
-            write_directory_checksums(context_dir(self.tmp))
-        if self.path.exists():
-            shutil.rmtree(self.path)
-        self.tmp.rename(self.path)
-        return self.path
-
-    def abort(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
 def _check_tokenizer(source: Path, vocab_size: int) -> None:
     tokenizer_file = source / "tokenizer.json"
     if not tokenizer_file.is_file():
@@ -344,7 +314,7 @@ def import_hf(
     dtype (bf16 stays bf16; training loads them into its own parameter dtype).
     """
     source = Path(source)
-    out = _Output(Path(output), overwrite)
+    out = ConversionOutput(Path(output), overwrite)
     config_path = source / CONFIG_FILE
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} does not exist: pass a local Hugging Face model directory")
@@ -392,35 +362,6 @@ def import_hf(
         out.abort()
         raise
     return out.commit()
-
-
-def checkpoint_model(checkpoint: str | Path) -> fdl.Config:
-    """The `GPTModel` config stored in `checkpoint`'s `context/model.json`, read as data (`load_context`)."""
-    model = load_context(checkpoint, "model")
-    if not issubclass(fdl.get_callable(model), GPTModel):
-        raise ValueError(f"{checkpoint}: its context/model.json builds {fdl.get_callable(model)}, not a GPTModel")
-    return model
-
-
-def checkpoint_gpt_config(checkpoint: str | Path) -> GPTConfig:
-    """The `GPTConfig` stored in `checkpoint`'s `context/model.json`."""
-    return fdl.build(checkpoint_model(checkpoint).config)
-
-
-def checkpoint_tensor_reader(checkpoint: Path) -> tuple[dict[str, ShardedTensor], Callable[[str], torch.Tensor]]:
-    """The tensors' metadata of `checkpoint`'s weights and a function loading one whole tensor by key."""
-    if not is_complete(checkpoint):
-        raise FileNotFoundError(f"{checkpoint} is not a complete checkpoint: {weights_dir(checkpoint)} is missing")
-    weights = weights_dir(checkpoint)
-    metadata = dist_checkpointing.load_tensors_metadata(weights)
-
-    def read(key: str) -> torch.Tensor:
-        if key not in metadata:
-            raise KeyError(f"{checkpoint} holds no tensor {key!r}: it is not a full GPT checkpoint of its config")
-        template = {key: metadata[key].without_data()}  # a fresh template: a load keeps its tensor in the one given
-        return dist_checkpointing.load(template, weights, validate_access_integrity=False)[key]
-
-    return metadata, read
 
 
 def _with_token_ids(config: dict[str, Any], ids: dict[str, int | None]) -> dict[str, Any]:
@@ -495,7 +436,7 @@ def export_hf(
     `read_tensor`: loads one of our tensors by key (default: from `checkpoint`'s weights).
     """
     checkpoint = Path(checkpoint)
-    out = _Output(Path(output), overwrite)
+    out = ConversionOutput(Path(output), overwrite)
     config = checkpoint_gpt_config(checkpoint)
     check_convertible(config, checkpoint, "export to Hugging Face")
     if read_tensor is None:

@@ -32,11 +32,13 @@ from nemo_ckpt import dist_checkpointing
 from nemo_ckpt.checkpoint.context import save_context
 from nemo_ckpt.checkpoint.layout import hf_artifacts_dir, weights_dir
 from nemo_ckpt.dist_checkpointing import ShardedTensor
-from nemo_ckpt.models.gpt.convert.hf import (
-    _Output,
-    check_convertible,
+from nemo_ckpt.models.gpt.convert.checkpoint_io import (
+    ConversionOutput,
     checkpoint_gpt_config,
     checkpoint_tensor_reader,
+)
+from nemo_ckpt.models.gpt.convert.hf import (
+    check_convertible,
     copy_artifacts,
     gpt_shapes,
     hf_artifact_sources,
@@ -171,7 +173,7 @@ def import_megatron(
     """Our checkpoint at `output` from the Megatron-Core / NeMo 2.0 GPT checkpoint `source` (its `weights/`
     directory, or a `dist_checkpointing` directory itself) of a Llama model with `config`."""
     source = Path(source)
-    out = _Output(Path(output), overwrite)
+    out = ConversionOutput(Path(output), overwrite)
     check_convertible(config, source, "import from Megatron-Core naming")
     weights = weights_dir(source) if weights_dir(source).is_dir() else source
     metadata = dist_checkpointing.load_tensors_metadata(weights)
@@ -202,7 +204,7 @@ def export_megatron(
     from `checkpoint`'s weights); `base`: an adapter checkpoint's base, whose `context/hf` serves where
     `checkpoint`'s lacks a file."""
     checkpoint = Path(checkpoint)
-    out = _Output(Path(output), overwrite)
+    out = ConversionOutput(Path(output), overwrite)
     config = checkpoint_gpt_config(checkpoint)
     check_convertible(config, checkpoint, "export to Megatron-Core naming")
     read = read_tensor or checkpoint_tensor_reader(checkpoint)[1]
