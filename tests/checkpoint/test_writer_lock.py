@@ -2,7 +2,6 @@
 holder (before launch, and in training); the lock dies with its process (SIGKILL leaves none); retention deletes
 only checkpoints of the run's own lineage."""
 
-import multiprocessing
 import os
 import signal
 from pathlib import Path
@@ -15,7 +14,7 @@ from nemo_ckpt.checkpoint.manifest import CheckpointRecord, Manifest
 from nemo_ckpt.checkpoint.model_checkpoint import ModelCheckpoint
 from nemo_ckpt.preflight import PreflightError, check_task
 from recipes import pretrain_recipe
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import forkserver, run_distributed
 from tests.helpers.recipe import RUN_NAME, checkpoint_dir, train
 
 
@@ -36,7 +35,7 @@ def holder(tmp_path):
     """A child process holding the lock of the tiny recipe's checkpoint directory under `tmp_path`."""
     directory = checkpoint_dir(tmp_path)
     directory.mkdir(parents=True)
-    context = multiprocessing.get_context("spawn")
+    context = forkserver()
     ours, theirs = context.Pipe()
     process = context.Process(target=hold_lock, args=(str(directory), theirs))
     process.start()
