@@ -35,12 +35,12 @@ def check_task(task: fdl.Buildable) -> None:
     except USER_ERRORS as error:
         raise PreflightError(str(error)) from error
     dims = _check_trainer(_argument(task, "trainer"))
+    strategy = _argument(_argument(task, "trainer"), "strategy")
     model, data = _build(task, "model"), _build(task, "data")
     if dims is not None and data is not None:
-        _check_batch(dims, _argument(_argument(task, "trainer"), "strategy"), data)
+        _check_batch(dims, strategy, data)
     log = _build(task, "log") or NeMoLogger()
     resume = _build(task, "resume") or AutoResume()
-    strategy = _argument(_argument(task, "trainer"), "strategy")
     load_optimizer = _argument(strategy, "ckpt_load_optimizer", True)
     try:
         if log.ckpt is not None:
