@@ -139,14 +139,14 @@ class TimedGPTModel(GPTModel):
 
 class PipelineTimer(pl.Callback):
     """Per pipeline step: (start, end, compute seconds) of this rank, from the strategy's `PipelineRunner`
-    (`strategy._pipeline`): its stages' forward and backward chunks and its schedule's `step` are wrapped."""
+    (`strategy.parallel.pipeline`): its stages' forward and backward chunks and its schedule's `step` are wrapped."""
 
     def __init__(self, clock: ComputeClock) -> None:
         self.clock = clock
         self.windows: list[tuple[float, float, float]] = []
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        runner = trainer.strategy._pipeline
+        runner = trainer.strategy.parallel.pipeline
         for stage in runner.stages:
             stage.forward_one_chunk = self.clock.wrap(stage.forward_one_chunk)
             stage.backward_one_chunk = self.clock.wrap(stage.backward_one_chunk)
@@ -261,8 +261,8 @@ def train(layout: Layout, batch: int, config: GPTConfig, steps: int) -> dict[str
     trainer = measurement_trainer(layout.world, strategy, WARMUP_STEPS + steps, callbacks)
     trainer.fit(model, datamodule=data)
     return {
-        "pp_rank": strategy.pipeline_parallel_mesh.get_local_rank(),
-        "dp_rank": strategy.data_parallel_mesh.get_local_rank(),
+        "pp_rank": strategy.parallel_dims.pp_mesh.get_local_rank(),
+        "dp_rank": strategy.parallel_dims.dp_rank,
         "step_times": step_timer.times[WARMUP_STEPS:],
         "windows": pipeline_timer.windows[WARMUP_STEPS:] if pipeline_timer else [],
         "activation_bytes": max(activations.peaks[WARMUP_STEPS:]),

@@ -4,13 +4,17 @@ A misspelt option is an error naming the closest declared one ("unknown option `
 `ckpt_async_save`?"); a NeMo option this package does not implement is an error saying what it means in NeMo.
 `strict_options` adds both to a class's constructor without changing its signature, so Fiddle and NeMo-Run still
 check names against it when a config is built (`run.Config(MegatronStrategy, ckpt_async_sav=True)` fails there).
-`check_config_options` walks a whole Fiddle config and reports its first unknown argument the same way;
-`check_override` checks one command-line override (`trainer.strategy.ckpt_async_sav=True`) against a config.
+`flat_options` lets a constructor take the fields of option dataclasses as its own flat keyword arguments,
+declared once in the dataclass. `check_config_options` walks a whole Fiddle config and reports its first unknown
+argument the same way; `check_override` checks one command-line override (`trainer.strategy.ckpt_async_sav=True`)
+against a config.
 """
 
+import dataclasses
 import difflib
 import functools
 import inspect
+import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -68,6 +72,28 @@ def strict_options(unsupported: Mapping[str, str] | None = None) -> Callable[[T]
 
         cls.__init__ = __init__
         cls.unsupported_options = dict(unsupported or {})
+        return cls
+
+    return decorate
+
+
+def flat_options(*declarations: type) -> Callable[[T], T]:
+    """Class decorator: the constructor's `**options` are the fields of the dataclasses `declarations`, declared
+    there once with their types and defaults (fields the constructor declares itself, or that are not init
+    arguments, excepted). The constructor's signature (as `inspect`, Fiddle, NeMo-Run and `strict_options` see
+    it) lists them as keyword-only arguments after its own; apply `strict_options` on top."""
+
+    def decorate(cls: T) -> T:
+        own = inspect.signature(cls.__init__)
+        parameters = [p for p in own.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+        for declaration in declarations:
+            types = typing.get_type_hints(declaration)
+            parameters += [
+                inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=types[f.name])
+                for f in dataclasses.fields(declaration)
+                if f.init and f.name not in own.parameters
+            ]
+        cls.__init__.__signature__ = own.replace(parameters=parameters)
         return cls
 
     return decorate

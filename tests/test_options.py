@@ -1,6 +1,9 @@
 """Strict options: unknown names get the closest declared one, NeMo options not implemented say what they mean,
 for constructors and for command-line overrides of a recipe."""
 
+import dataclasses
+import inspect
+
 import fiddle as fdl
 import pytest
 
@@ -9,6 +12,7 @@ from nemo_ckpt.options import (
     UnsupportedOptionError,
     check_config_options,
     check_override,
+    flat_options,
     strict_options,
 )
 from recipes import gpt
@@ -34,6 +38,32 @@ def test_constructor_names_the_closest_option_or_the_nemo_meaning():
         Options(old_name=1)
     with pytest.raises(AttributeError, match="learnin_rate"):  # Fiddle sees the declared signature
         fdl.Config(Options).learnin_rate = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveOptions:
+    ckpt_async_save: bool = False
+    ckpt_threads: int | None = None
+    derived: int = dataclasses.field(default=0, init=False)
+
+
+@strict_options()
+@flat_options(SaveOptions)
+class Saver:
+    def __init__(self, *, name: str = "a", ckpt_threads: str = "own", **options: object) -> None:
+        self.options = SaveOptions(**options)
+
+
+def test_flat_options_are_declared_once_in_their_dataclass():
+    parameters = inspect.signature(Saver).parameters
+    assert list(parameters) == ["name", "ckpt_threads", "ckpt_async_save"]  # its own first; no init=False field
+    assert parameters["ckpt_async_save"].default is False and parameters["ckpt_async_save"].annotation is bool
+    assert Saver(ckpt_async_save=True).options.ckpt_async_save
+    with pytest.raises(UnknownOptionError, match=r"unknown option `ckpt_async_sav`; did you mean `ckpt_async_save`"):
+        Saver(ckpt_async_sav=True)
+    with pytest.raises(AttributeError, match="ckpt_async_sav"):  # Fiddle sees the flat signature too
+        fdl.Config(Saver).ckpt_async_sav = True
+    assert fdl.build(fdl.Config(Saver, ckpt_async_save=True)).options.ckpt_async_save
 
 
 def test_overrides_of_a_recipe_are_checked_against_their_target():

@@ -7,6 +7,8 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Sampler
 
+from nemo_ckpt.parallel.mesh import parallel_dims_of
+
 
 class PretrainingSampler(Sampler[list[int]]):
     """Megatron's pretraining sampler: this rank's micro-batches, starting after `consumed_samples`."""
@@ -108,12 +110,10 @@ class ResumableDataLoader(DataLoader):
 
 
 def data_parallel_rank_and_size(trainer: pl.Trainer) -> tuple[int, int]:
-    """This process's data-parallel rank and the data-parallel size: the strategy's `dp` mesh where it has one
-    (tensor-parallel ranks share their data), else the trainer's global rank and world size."""
-    mesh = getattr(trainer.strategy, "data_parallel_mesh", None)
-    if mesh is None:
-        return trainer.global_rank, trainer.world_size
-    return mesh.get_local_rank(), mesh.size()
+    """This process's data-parallel rank and the data-parallel size (tensor-, context- and pipeline-parallel ranks
+    share their data)."""
+    dims = parallel_dims_of(trainer)
+    return dims.dp_rank, dims.dp
 
 
 def rank_sampler(

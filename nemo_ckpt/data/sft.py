@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 from nemo_ckpt.data.base import SampledDataModule
 from nemo_ckpt.data.tokenizer import Tokenizer, get_tokenizer
 from nemo_ckpt.options import strict_options
+from nemo_ckpt.parallel.mesh import parallel_dims_of
 
 TRAINING_FILE = "training.jsonl"
 VALIDATION_FILE = "validation.jsonl"
@@ -292,13 +293,8 @@ class FineTuningDataModule(SampledDataModule):
         )
 
     def _check_packing_parallelism(self) -> None:
-        strategy = self.trainer.strategy
-        sizes = {
-            "context_parallel_size": getattr(strategy, "context_parallel_size", 1),
-            "pipeline_model_parallel_size": getattr(
-                getattr(strategy, "pipeline_config", None), "pipeline_model_parallel_size", 1
-            ),
-        }
+        dims = parallel_dims_of(self.trainer)
+        sizes = {"context_parallel_size": dims.cp, "pipeline_model_parallel_size": dims.pp}
         for name, size in sizes.items():
             if size > 1:
                 raise ValueError(

@@ -11,6 +11,7 @@ import torch
 
 from nemo_ckpt.logger.flops import peak_flops_per_device, training_flops_per_token
 from nemo_ckpt.models.gpt.model import GPTConfig
+from nemo_ckpt.parallel.mesh import parallel_dims_of
 
 GIB = 2**30
 
@@ -28,12 +29,6 @@ class StepRecord:
     mfu: float | None
     memory: float
     memory_kind: str
-
-
-def data_parallel_size(trainer: pl.Trainer) -> int:
-    """Ranks that see different data: the strategy's `dp` mesh where it has one, else the world size."""
-    mesh = getattr(trainer.strategy, "data_parallel_mesh", None)
-    return trainer.world_size if mesh is None else mesh.size()
 
 
 def peak_memory(device: torch.device) -> tuple[float, str]:
@@ -105,8 +100,9 @@ class StepMetrics(pl.Callback):
             pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
 
     def _record(self, trainer: pl.Trainer, step_time: float) -> StepRecord:
-        replicas = data_parallel_size(trainer)
-        tokens = self._tokens * replicas * getattr(trainer.strategy, "context_parallel_size", 1)  # 1/cp per rank
+        dims = parallel_dims_of(trainer)
+        replicas = dims.dp  # ranks that see different data
+        tokens = self._tokens * replicas * dims.cp  # a cp rank holds 1/cp of its sequences' tokens
         tflops = mfu = None
         if self._flops_per_token is not None:
             flops_per_device = self._flops_per_token * tokens / trainer.world_size / step_time

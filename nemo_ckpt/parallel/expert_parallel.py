@@ -31,7 +31,8 @@ from torch.distributed.tensor import DTensor
 
 from nemo_ckpt.dist_checkpointing import ShardedTensor
 from nemo_ckpt.dist_checkpointing.dtensor import local_tensor
-from nemo_ckpt.parallel.mesh import EXPERT_DATA_PARALLEL_DIM, EXPERT_PARALLEL_DIM, TENSOR_PARALLEL_DIM
+from nemo_ckpt.parallel.checkpoint_rule import CheckpointRule
+from nemo_ckpt.parallel.mesh import EXPERT_DATA_PARALLEL_DIM, EXPERT_PARALLEL_DIM, TENSOR_PARALLEL_DIM, ParallelDims
 from nemo_ckpt.parallel.meta_init import materialize
 
 EXPERTS_MODULE_NAME = "experts"
@@ -323,6 +324,29 @@ def complete_expert_param_groups(optimizer_state: dict, model: nn.Module) -> Non
                     f"{match[1]}{expert}.{suffix}" for expert in range(num_experts[match[1]]) for suffix in suffixes
                 ]
         group["params"] = names
+
+
+class ExpertCheckpointRule(CheckpointRule):
+    """Experts in a checkpoint: split (`ep` > 1), their copies are the edp ranks' and every expert is listed in
+    the optimizer's parameter groups; split or not, their scalar optimizer state (Adam's `step`) is sharded like
+    their tensors, copies told apart by their replica rank x tp size + tp rank."""
+
+    def __init__(self, model: nn.Module, dims: ParallelDims) -> None:
+        self.model = model
+        self.dims = dims
+
+    def replica_ids(self, state_dict: dict) -> dict[str, int]:
+        if self.dims.expert_mesh is None:
+            return {}
+        return expert_replica_ids(state_dict, self.dims.expert_replica_mesh.get_local_rank())
+
+    def finish_optimizer_state(self, sharded: dict) -> None:
+        if self.dims.expert_mesh is not None:
+            complete_expert_param_groups(sharded, self.model)
+        tp_mesh = self.dims.tp_mesh  # the tp ranks hold copies of the experts' scalar state too
+        shard_expert_scalar_state(
+            sharded, self.dims.expert_replica_mesh.get_local_rank() * tp_mesh.size() + tp_mesh.get_local_rank()
+        )
 
 
 def check_expert_parallel_options(

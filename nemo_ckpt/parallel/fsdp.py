@@ -1,10 +1,13 @@
 """FSDP2 (`fully_shard`) for the `optim_grads` and `optim_grads_params` sharding strategies."""
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from nemo_ckpt.parallel.checkpoint_rule import CheckpointRule
 from nemo_ckpt.parallel.ddp_config import DistributedDataParallelConfig
 from nemo_ckpt.parallel.meta_init import materialize
 
@@ -65,3 +68,12 @@ def apply_fsdp(
             previous.set_modules_to_forward_prefetch([following])
             following.set_modules_to_backward_prefetch([previous])
     return fsdp_modules
+
+
+class ShardedStagesRule(CheckpointRule):
+    """FSDP2 over pipeline stages: a stage's entries are shards of the dp x cp mesh and no other rank holds a copy
+    (the other stages hold other keys), so every entry is replica 0 (without a pipeline, the shards' mesh spans
+    all ranks and says so itself)."""
+
+    def replica_ids(self, state_dict: dict[str, Any]) -> dict[str, int]:
+        return dict.fromkeys(state_dict, 0)

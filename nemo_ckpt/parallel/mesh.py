@@ -1,4 +1,6 @@
-"""The device mesh of a run: (pp, dp, cp, tp), and the expert mesh (pp, edp, ep, tp) carved from it.
+"""The layout of a run, asked in one place: `ParallelDims` holds each dimension's size, and after `build_meshes`
+the device mesh (pp, dp, cp, tp), dp x cp flattened, and the expert mesh (pp, edp, ep, tp) carved from it, with
+each dimension's ranks and groups. Data, logging and overlap code reach it through `parallel_dims_of(trainer)`.
 
 Rank order follows Megatron-Core's default (`tp-cp-ep-dp-pp`): tensor-parallel ranks adjacent (fastest links), then
 context-parallel, then data-parallel, pipeline stages outermost. Expert parallelism splits the dp x cp ranks
@@ -6,7 +8,8 @@ context-parallel, then data-parallel, pipeline stages outermost. Expert parallel
 parallelism.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -32,15 +35,17 @@ PARALLEL_SIZE_OPTIONS = {
 """`ParallelDims`' sizes and the `MegatronStrategy` options that set them."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class ParallelDims:
-    """The sizes of each parallel dimension; `dp` is what the world size leaves after the others."""
+    """The sizes of each parallel dimension; `dp` is what the world size leaves after the others. After
+    `build_meshes`, also the meshes: ask them here (`dp_mesh`, `tp_mesh`, ..., `dp_rank`), not a strategy."""
 
     world_size: int
     tp: int = 1
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    _meshes: "_Meshes | None" = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for dim, option in PARALLEL_SIZE_OPTIONS.items():
@@ -88,6 +93,81 @@ class ParallelDims:
             (self.pp, self.edp, self.ep, self.tp),
             mesh_dim_names=(PIPELINE_PARALLEL_DIM, EXPERT_DATA_PARALLEL_DIM, EXPERT_PARALLEL_DIM, TENSOR_PARALLEL_DIM),
         )
+
+    def build_meshes(self, device_type: str) -> "ParallelDims":
+        """Build and keep the run's meshes (a collective: every rank calls it once, after the process group
+        starts); the expert mesh only when experts are split (`ep` > 1). Returns self."""
+        mesh = self.build_mesh(device_type)
+        expert_mesh = self.build_expert_mesh(device_type) if self.ep > 1 else None
+        self._meshes = _Meshes(mesh, self.data_context_parallel_mesh(mesh), expert_mesh)
+        return self
+
+    @property
+    def _built(self) -> "_Meshes":
+        if self._meshes is None:
+            raise RuntimeError("ParallelDims' meshes are built by build_meshes() (MegatronStrategy.setup_environment)")
+        return self._meshes
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The (pp, dp, cp, tp) device mesh."""
+        return self._built.mesh
+
+    @property
+    def pp_mesh(self) -> DeviceMesh:
+        """Ranks holding consecutive pipeline stages of the same model replica."""
+        return self.mesh[PIPELINE_PARALLEL_DIM]
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """Ranks that read different batches (the data samplers shard over it)."""
+        return self.mesh[DATA_PARALLEL_DIM]
+
+    @property
+    def cp_mesh(self) -> DeviceMesh:
+        """Ranks splitting each sequence (ring attention); they read the same batch and hold the same weights."""
+        return self.mesh[CONTEXT_PARALLEL_DIM]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh[TENSOR_PARALLEL_DIM]
+
+    @property
+    def dp_cp_mesh(self) -> DeviceMesh:
+        """Ranks holding the same weights (dp x cp): gradients are reduced and FSDP/ZeRO-1 shard over it."""
+        return self._built.dp_cp
+
+    @property
+    def expert_mesh(self) -> DeviceMesh | None:
+        """The (pp, edp, ep, tp) mesh when experts are split (`ep` > 1), else None."""
+        return self._built.expert
+
+    @property
+    def expert_replica_mesh(self) -> DeviceMesh:
+        """Ranks holding the same experts: `edp` when experts are split, else dp x cp."""
+        expert_mesh = self.expert_mesh
+        return self.dp_cp_mesh if expert_mesh is None else expert_mesh[EXPERT_DATA_PARALLEL_DIM]
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index on `dp`; without meshes (a strategy with data parallelism only) the global rank."""
+        if self._meshes is None and self.dp == self.world_size:
+            return dist.get_rank() if dist.is_initialized() else 0
+        return self.dp_mesh.get_local_rank()
+
+
+@dataclass(frozen=True)
+class _Meshes:
+    mesh: DeviceMesh
+    dp_cp: DeviceMesh
+    expert: DeviceMesh | None
+
+
+def parallel_dims_of(trainer: Any) -> ParallelDims:
+    """The layout of `trainer`'s run: its strategy's `parallel_dims` (MegatronStrategy), else every rank data
+    parallel (any other Lightning strategy)."""
+    dims = getattr(trainer.strategy, "parallel_dims", None)
+    return dims if dims is not None else ParallelDims(trainer.world_size)
 
 
 def build_device_mesh(device_type: str, tensor_model_parallel_size: int, world_size: int | None = None) -> DeviceMesh:

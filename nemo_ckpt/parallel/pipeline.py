@@ -21,9 +21,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
 
 from nemo_ckpt._compat import unbatched_1f1b_schedule
 from nemo_ckpt.dist_checkpointing.dtensor import local_tensor
+from nemo_ckpt.parallel.checkpoint_rule import CheckpointRule
 from nemo_ckpt.parallel.ddp_config import DistributedDataParallelConfig
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -480,3 +482,23 @@ def merge_pipeline_optimizer_state(optim_state: dict[str, Any], group: dist.Proc
         names = sorted(keys, key=keys.__getitem__)  # stable: ties keep the gathered order
         param_groups.append({**group_state, "params": names})
     return {"state": state, "param_groups": param_groups}
+
+
+class PipelineCheckpointRule(CheckpointRule):
+    """Pipeline stages in a checkpoint: the common part lists every stage's parameters and scalar optimizer state;
+    the tied weight is written by the first stage (the last stage's copy is a replica)."""
+
+    def __init__(self, tied: TiedWeight | None, pipeline_group: dist.ProcessGroup, replica_rank: int) -> None:
+        self.tied = tied
+        self.pipeline_group = pipeline_group
+        self.replica_rank = replica_rank
+
+    def replica_ids(self, state_dict: dict[str, Any]) -> dict[str, int]:
+        if self.tied is None or self.tied.is_first:
+            return {}
+        return {self.tied.name: 1 + self.replica_rank}
+
+    def complete_optimizer_state(
+        self, optimizer: Optimizer, state: dict[str, Any], names: dict[nn.Parameter, str]
+    ) -> dict[str, Any]:
+        return merge_pipeline_optimizer_state(state, self.pipeline_group)

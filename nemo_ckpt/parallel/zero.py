@@ -14,6 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from nemo_ckpt.parallel.checkpoint_rule import CheckpointRule
+
 
 def assign_owners(numels: list[int], world_size: int) -> list[int]:
     """The owning rank of each parameter: largest first, each to the least-loaded rank (ties: lowest rank)."""
@@ -26,8 +28,12 @@ def assign_owners(numels: list[int], world_size: int) -> list[int]:
     return owners
 
 
-class ZeroOneSharding:
-    """Partitions `optimizer` over the ranks of `group` by parameter (hooks on the optimizer and on `module`)."""
+class ZeroOneSharding(CheckpointRule):
+    """Partitions `optimizer` over the ranks of `group` by parameter (hooks on the optimizer and on `module`).
+
+    In a checkpoint, this rank's optimizer state is the only copy (replica 0), and the common part lists every
+    rank's parameters and scalar state.
+    """
 
     def __init__(
         self, optimizer: Optimizer, module: nn.Module, group: dist.ProcessGroup, overlap_param_gather: bool
@@ -50,6 +56,7 @@ class ZeroOneSharding:
             param_group["params"] = [
                 param for param in param_group["params"] if param in self.owner and self.owns(param)
             ]
+        self.optimizer = optimizer
         self._pending: dict[nn.Parameter, dist.Work] = {}
         optimizer.register_step_post_hook(self._broadcast_params)
         if overlap_param_gather:
@@ -80,10 +87,17 @@ class ZeroOneSharding:
             if work is not None:
                 work.wait()
 
-    def complete_named_state(self, named_state: dict[str, Any], names: dict[nn.Parameter, str]) -> None:
+    def optimizer_replica_id(self, optimizer: Optimizer) -> int | None:
+        return 0 if optimizer is self.optimizer else None
+
+    def complete_optimizer_state(
+        self, optimizer: Optimizer, named_state: dict[str, Any], names: dict[nn.Parameter, str]
+    ) -> dict[str, Any]:
         """Make this rank's `named_optimizer_state` describe the whole optimizer, as the common part of a
         checkpoint must: all parameters in the groups, and the other ranks' non-tensor-shaped state (Adam's
         `step`) for theirs. Their tensor state stays with them."""
+        if optimizer is not self.optimizer:
+            return named_state
         for param_group, params in zip(named_state["param_groups"], self.group_params):
             param_group["params"] = [names[param] for param in params]
         state = named_state["state"]
@@ -101,3 +115,4 @@ class ZeroOneSharding:
             name = names[param]
             if name not in state:
                 state[name] = gathered[self.owner[param]].get(name, {})
+        return named_state

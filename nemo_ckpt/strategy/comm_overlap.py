@@ -18,13 +18,14 @@ to `torch.compile`d code only. Userbuffers tuning (`tp_comm_overlap_cfg`) and th
 counterpart and are rejected on every device.
 """
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import lightning.pytorch as pl
 import torch
 
 from nemo_ckpt._compat import enable_async_tensor_parallel
-from nemo_ckpt.parallel.pipeline import PipelineConfig
+from nemo_ckpt.parallel.config import ParallelismConfig
+from nemo_ckpt.parallel.mesh import parallel_dims_of
 
 BOOTSTRAP_BACKENDS = ("nccl", "mpi", "gloo")
 
@@ -199,16 +200,17 @@ class MegatronCommOverlapCallback(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
-        tensor_model_parallel_size = getattr(strategy, "tensor_model_parallel_size", 1)
-        sequence_parallel = getattr(strategy, "sequence_parallel", False)
+        parallelism = getattr(strategy, "parallelism", None)
+        if not isinstance(parallelism, ParallelismConfig):
+            parallelism = ParallelismConfig()  # another strategy: no tensor or pipeline parallelism
         device_type = torch.device(strategy.root_device).type
-        self.config.validate(device_type, tensor_model_parallel_size, sequence_parallel)
+        self.config.validate(device_type, parallelism.tensor_model_parallel_size, parallelism.sequence_parallel)
         if self.config.overlaps_all_gather_and_reduce_scatter:
-            enable_async_tensor_parallel(strategy.tensor_parallel_mesh.get_group().group_name)
+            enable_async_tensor_parallel(parallel_dims_of(trainer).tp_mesh.get_group().group_name)
         if self.p2p_options:
-            if not isinstance(getattr(strategy, "pipeline_config", None), PipelineConfig):
+            if not hasattr(strategy, "parallelism"):
                 raise ValueError(
                     f"MegatronCommOverlapCallback({', '.join(f'{k}={v}' for k, v in self.p2p_options.items())}): "
                     f"pipeline send/receive options need MegatronStrategy, not {type(strategy).__name__}"
                 )
-            strategy.pipeline_config = replace(strategy.pipeline_config, **self.p2p_options)  # validates
+            strategy.parallelism = parallelism.with_pipeline_options(**self.p2p_options)

@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 
 from nemo_ckpt.dist_checkpointing import ShardedTensor
 from nemo_ckpt.dist_checkpointing.dtensor import dtensor_to_sharded_tensor, local_tensor
+from nemo_ckpt.parallel.checkpoint_rule import CheckpointRule
 
 
 def dtensor_sharded_tensor(key: str, dtensor: DTensor, replica_id: int) -> ShardedTensor | None:
@@ -52,6 +53,38 @@ def model_sharded_state_dict(
             value = ShardedTensor.from_rank_offsets(key, value.detach(), replica_id=key_replica_id)
         sharded[key] = value
     return sharded
+
+
+def sharded_model_state(module: nn.Module, rules: list[CheckpointRule], replica_id: int) -> dict[str, Any]:
+    """`module`'s state as ShardedTensors: replicated over dp x cp (`replica_id`: this rank's dp x cp rank) unless
+    a parallelism's rule says otherwise (later rules override earlier ones)."""
+    state_dict = module.state_dict()
+    replica_ids: dict[str, int] = {}
+    for rule in rules:
+        replica_ids |= rule.replica_ids(state_dict)
+    return model_sharded_state_dict(state_dict, replica_id=replica_id, replica_ids=replica_ids)
+
+
+def sharded_optimizer_state(
+    optimizer: Optimizer, module: nn.Module, rules: list[CheckpointRule], model_state: dict[str, Any]
+) -> dict[str, Any]:
+    """`optimizer`'s state as ShardedTensors beside `model_state` (`sharded_model_state`), completed and marked by
+    the parallelisms' rules."""
+    names = parameter_names(module)
+    state = named_optimizer_state(optimizer, names)
+    for rule in rules:
+        state = rule.complete_optimizer_state(optimizer, state, names)
+    replica_ids = [rule.optimizer_replica_id(optimizer) for rule in rules]
+    state_replica_id = next((replica_id for replica_id in replica_ids if replica_id is not None), None)
+    sharded = optimizer_sharded_state_dict(state, model_state, state_replica_id=state_replica_id)
+    for rule in rules:
+        rule.finish_optimizer_state(sharded)
+    return sharded
+
+
+def parameter_names(module: nn.Module) -> dict[nn.Parameter, str]:
+    """Each parameter of `module` and its name (the key of its optimizer state in a checkpoint)."""
+    return {param: name for name, param in module.named_parameters()}
 
 
 def saves_gpu_buffers(module: nn.Module) -> bool:

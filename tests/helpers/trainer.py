@@ -16,6 +16,23 @@ from nemo_ckpt.strategy import MegatronStrategy
 GLOBAL_BATCH_SIZE = 4
 
 
+def build_trainer(strategy: pl.strategies.Strategy | str = "auto", **trainer_kwargs: Any) -> pl.Trainer:
+    """A Trainer on one CPU device without logger, checkpointing, progress bar, model summary or validation, the
+    data module's own sampler kept (our data modules shard by data-parallel rank); `trainer_kwargs` override."""
+    settings: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    return pl.Trainer(strategy=strategy, **(settings | trainer_kwargs))
+
+
 class RecordLoss(pl.Callback):
     """The data-parallel mean loss of every step (not of each gradient-accumulation micro-batch)."""
 
@@ -73,24 +90,18 @@ def fit_tiny_gpt(
     `micro_batch_size` is given) towards `max_steps` on a plain Trainer, resuming from `ckpt_path`."""
     pl.seed_everything(1234, verbose=False)
     config = gpt_config("tiny", **(model_overrides or {}))
-    trainer = pl.Trainer(
+    trainer = build_trainer(
+        strategy,
         accelerator=accelerator,
         devices=world_size,
-        strategy=strategy,
         max_steps=max_steps,
         precision=precision,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
         callbacks=callbacks,
     )
     model = GPTModel(config, OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_steps=2))
-    model_parallel_size = strategy.tensor_model_parallel_size * strategy.pipeline_config.pipeline_model_parallel_size
-    model_parallel_size *= strategy.context_parallel_size  # cp ranks read the same batch
+    parallelism = strategy.parallelism
+    model_parallel_size = parallelism.tensor_model_parallel_size * parallelism.pipeline_model_parallel_size
+    model_parallel_size *= parallelism.context_parallel_size  # cp ranks read the same batch
     data_parallel_size = world_size // model_parallel_size
     data = MockDataModule(
         seq_length=config.seq_length,

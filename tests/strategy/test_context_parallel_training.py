@@ -58,7 +58,7 @@ def train_phase(rank: int, world_size: int, phase: int, directory: Path) -> tupl
         model_overrides=model,
         micro_batch_size=micro_batch_size,
     )
-    return recorder.losses, strategy.context_parallel_mesh.size()
+    return recorder.losses, strategy.parallel_dims.cp_mesh.size()
 
 
 def train_bf16(world_size: int) -> list[float]:
