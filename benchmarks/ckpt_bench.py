@@ -64,6 +64,7 @@ import disk_ceiling  # noqa: E402
 from results import (  # noqa: E402
     MEGATRON_CORE_INSTALL,
     check_dependencies,
+    free_port,
     gpu_ranks_error,
     settled,
     write_section,
@@ -79,7 +80,6 @@ from nemo_ckpt.dist_checkpointing.strategies.torch import (  # noqa: E402
     TorchDistLoadShardedStrategy,
     TorchDistSaveShardedStrategy,
 )
-from tests.helpers.distributed import free_port  # noqa: E402
 
 TENSOR_BYTES = 64 << 20
 ROW = 4096  # float32 values per row

@@ -56,6 +56,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from results import (
     check_dependencies,
+    free_port,
     gpu_ranks_error,
     join_process_group,
     measurement_trainer,
@@ -72,7 +73,6 @@ from nemo_ckpt.models import GPTModel, gpt_config  # noqa: E402
 from nemo_ckpt.optim import OptimizerConfig  # noqa: E402
 from nemo_ckpt.parallel.ddp_config import DistributedDataParallelConfig  # noqa: E402
 from nemo_ckpt.strategy import MegatronStrategy  # noqa: E402
-from tests.helpers.distributed import free_port  # noqa: E402
 
 SECTION = "## Checkpoints during training"
 # 96M parameters: x 12 bytes (fp32 weights, Adam's two moments) = 1.07 GiB of model + optimizer state per rank

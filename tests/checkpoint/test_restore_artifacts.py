@@ -4,7 +4,6 @@
 import json
 import logging
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -19,6 +18,7 @@ from nemo_ckpt.logger import NeMoLogger  # noqa: E402
 from nemo_ckpt.models import GPTModel  # noqa: E402
 from nemo_ckpt.models.gpt.convert.checkpoint_io import checkpoint_gpt_config  # noqa: E402
 from nemo_ckpt.strategy import MegatronStrategy  # noqa: E402
+from tests.helpers.trainer import build_trainer  # noqa: E402
 
 TEXT = "echo the words back: alpha beta gamma delta"
 
@@ -48,18 +48,7 @@ def imported_with_tokenizer(tmp_path_factory):
 def test_finetune_tokenizes_with_the_restored_checkpoints_tokenizer(tmp_path, imported_with_tokenizer):
     base, sft, original = imported_with_tokenizer
     data = FineTuningDataModule(str(sft), tokenizer=None, seq_length=16, micro_batch_size=1, global_batch_size=1)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=MegatronStrategy(),
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        limit_val_batches=0,
-    )
+    trainer = build_trainer(MegatronStrategy(), max_steps=1)
     finetune(
         GPTModel(checkpoint_gpt_config(base)),
         data,

@@ -12,6 +12,7 @@ from nemo_ckpt.data.sampler import ResumableDataLoader
 from nemo_ckpt.data.tokenizer import ByteLevelTokenizer
 from nemo_ckpt.models import GPTModel, gpt_config
 from tests.data.test_gpt_dataset import make_dataset
+from tests.helpers.trainer import build_trainer
 
 
 @pytest.fixture
@@ -32,9 +33,7 @@ def module(paths, **overrides) -> PreTrainingDataModule:
 
 def attach(data: PreTrainingDataModule, max_steps: int = 10) -> pl.Trainer:
     """A Trainer before `fit` (global step 0); resuming at a later step is `tests/data/test_real_data_resume.py`."""
-    trainer = pl.Trainer(
-        max_steps=max_steps, accelerator="cpu", devices=1, logger=False, val_check_interval=5, limit_val_batches=2
-    )
+    trainer = build_trainer(max_steps=max_steps, val_check_interval=5, limit_val_batches=2)
     data.trainer = trainer
     return trainer
 

@@ -3,7 +3,6 @@
 
 import json
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -12,6 +11,7 @@ from nemo_ckpt.data.tokenizer import ByteLevelTokenizer
 from nemo_ckpt.models import GPTModel, gpt_config
 from nemo_ckpt.options import UnknownOptionError, UnsupportedOptionError
 from nemo_ckpt.strategy import MegatronStrategy
+from tests.helpers.trainer import build_trainer
 
 
 def dataset(records, seq_length=24, **kwargs) -> SFTDataset:
@@ -157,7 +157,7 @@ def packed_module(root) -> FineTuningDataModule:
     data = FineTuningDataModule(
         root, "byte-level", 16, micro_batch_size=2, global_batch_size=2, packed_sequence_specs=specs
     )
-    data.trainer = pl.Trainer(max_steps=12, accelerator="cpu", devices=1, logger=False)
+    data.trainer = build_trainer(max_steps=12, limit_val_batches=1.0)  # Lightning's default; no validation file: off
     data.setup("fit")
     return data
 
@@ -206,7 +206,7 @@ def test_packing_refuses_context_and_pipeline_parallelism(tmp_path, parallelism)
     root = write_records(tmp_path / "sft", count=2)
     data = FineTuningDataModule(root, "byte-level", 16, 1, 1, packed_sequence_specs=PackedSequenceSpecs())
     strategy = MegatronStrategy(**{parallelism: 2})
-    data.trainer = pl.Trainer(strategy=strategy, max_steps=1, accelerator="cpu", devices=1, logger=False)
+    data.trainer = build_trainer(strategy, max_steps=1)
     with pytest.raises(
         ValueError, match=rf"not supported with {parallelism}=2: use {parallelism}=1, or packed_sequence"
     ):
@@ -216,18 +216,7 @@ def test_packing_refuses_context_and_pipeline_parallelism(tmp_path, parallelism)
 def test_no_validation_file_turns_validation_off_without_lightning_warnings(tmp_path, recwarn):
     root = write_records(tmp_path / "sft")
     data = FineTuningDataModule(root, "byte-level", 16, micro_batch_size=2, global_batch_size=2)
-    trainer = pl.Trainer(
-        max_steps=2,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        val_check_interval=1,
-        limit_val_batches=2,
-        num_sanity_val_steps=0,
-    )
+    trainer = build_trainer(max_steps=2, val_check_interval=1, limit_val_batches=2)
     trainer.fit(GPTModel(gpt_config("tiny", vocab_size=384, seq_length=16)), datamodule=data)
     assert trainer.global_step == 2 and trainer.limit_val_batches == 0
     assert not [str(warning.message) for warning in recwarn if "across ranks is zero" in str(warning.message)]

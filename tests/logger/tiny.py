@@ -1,32 +1,22 @@
 """The tiny GPT on a single-process CPU Trainer (no strategy of ours): fast enough for many small runs."""
 
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 
 from nemo_ckpt.data import MockDataModule
 from nemo_ckpt.models import GPTModel, gpt_config
 from nemo_ckpt.optim import OptimizerConfig
+from tests.helpers.trainer import build_trainer
 
 MAX_STEPS = 3
 GLOBAL_BATCH_SIZE = 4
 
 
-def trainer(**kwargs) -> pl.Trainer:
-    """A CPU Trainer without loggers, checkpointing, validation or progress bar; `kwargs` override."""
-    settings = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=MAX_STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        log_every_n_steps=1,
-    )
-    return pl.Trainer(**(settings | kwargs))
+def trainer(**kwargs: Any) -> pl.Trainer:
+    """`build_trainer` for `MAX_STEPS` steps, logging every step; `kwargs` override."""
+    return build_trainer(**({"max_steps": MAX_STEPS, "log_every_n_steps": 1} | kwargs))
 
 
 def fit(trainer: pl.Trainer, ckpt_path: Path | None = None) -> None:

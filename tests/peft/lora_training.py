@@ -10,7 +10,7 @@ from nemo_ckpt.optim import OptimizerConfig
 from nemo_ckpt.parallel.ddp_config import DistributedDataParallelConfig
 from nemo_ckpt.peft import LoRA
 from nemo_ckpt.strategy import MegatronStrategy
-from tests.helpers.trainer import RecordLoss
+from tests.helpers.trainer import RecordLoss, build_trainer
 
 GLOBAL_BATCH_SIZE = 4
 
@@ -39,21 +39,13 @@ def fit_lora(
     pl.seed_everything(1234, verbose=False)
     config = gpt_config("tiny")
     recorder = RecordLoss()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=MegatronStrategy(
+    trainer = build_trainer(
+        MegatronStrategy(
             tensor_model_parallel_size=tensor_parallel,
             ddp=DistributedDataParallelConfig(data_parallel_sharding_strategy=sharding),
         ),
+        devices=world_size,
         max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
         callbacks=[recorder, RestoreCallback(RestoreConfig(path=base))],
     )
     model = GPTModel(config, OptimizerConfig(lr=1e-2, lr_warmup_steps=0), peft=LoRA(dim=4, alpha=8))
