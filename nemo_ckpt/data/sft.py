@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 from nemo_ckpt.data.base import SampledDataModule
 from nemo_ckpt.data.tokenizer import Tokenizer, get_tokenizer
 from nemo_ckpt.options import strict_options
-from nemo_ckpt.parallel.mesh import parallel_dims_of
+from nemo_ckpt.parallel.config import parallelism_of
 
 TRAINING_FILE = "training.jsonl"
 VALIDATION_FILE = "validation.jsonl"
@@ -293,8 +293,11 @@ class FineTuningDataModule(SampledDataModule):
         )
 
     def _check_packing_parallelism(self) -> None:
-        dims = parallel_dims_of(self.trainer)
-        sizes = {"context_parallel_size": dims.cp, "pipeline_model_parallel_size": dims.pp}
+        parallelism = parallelism_of(self.trainer)
+        sizes = {
+            "context_parallel_size": parallelism.context_parallel_size,
+            "pipeline_model_parallel_size": parallelism.pipeline_model_parallel_size,
+        }
         for name, size in sizes.items():
             if size > 1:
                 raise ValueError(

@@ -2,10 +2,12 @@
 
 The strategy takes these fields as its own flat keyword arguments (NeMo's names; `nemo_ckpt.options.flat_options`),
 and NeMo's `MegatronStrategy.parallelism` returns the same kind of object. `dims(world_size)` derives the run's
-`ParallelDims` (and so the data-parallel size) when the world size is known.
+`ParallelDims` (and so the data-parallel size) when the world size is known; `parallelism_of(trainer)` reads it
+from any trainer.
 """
 
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import torch
 
@@ -114,3 +116,10 @@ class ParallelismConfig:
 
 PARALLELISM_OPTIONS = tuple(f.name for f in fields(ParallelismConfig) if f.init and f.name != "ddp")
 """The flat parallelism options of `MegatronStrategy` (`ddp` is its own argument, which also takes a name)."""
+
+
+def parallelism_of(trainer: Any) -> ParallelismConfig:
+    """The parallelism `trainer`'s strategy is configured with, known before the process group starts (the built
+    layout, after it starts: `parallel_dims_of`); another Lightning strategy's is plain data parallelism."""
+    parallelism = getattr(trainer.strategy, "parallelism", None)
+    return parallelism if isinstance(parallelism, ParallelismConfig) else ParallelismConfig()

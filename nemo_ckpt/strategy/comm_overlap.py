@@ -24,7 +24,7 @@ import lightning.pytorch as pl
 import torch
 
 from nemo_ckpt._compat import enable_async_tensor_parallel
-from nemo_ckpt.parallel.config import ParallelismConfig
+from nemo_ckpt.parallel.config import parallelism_of
 from nemo_ckpt.parallel.mesh import parallel_dims_of
 
 BOOTSTRAP_BACKENDS = ("nccl", "mpi", "gloo")
@@ -200,9 +200,7 @@ class MegatronCommOverlapCallback(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
-        parallelism = getattr(strategy, "parallelism", None)
-        if not isinstance(parallelism, ParallelismConfig):
-            parallelism = ParallelismConfig()  # another strategy: no tensor or pipeline parallelism
+        parallelism = parallelism_of(trainer)
         device_type = torch.device(strategy.root_device).type
         self.config.validate(device_type, parallelism.tensor_model_parallel_size, parallelism.sequence_parallel)
         if self.config.overlaps_all_gather_and_reduce_scatter:
