@@ -1,7 +1,8 @@
 """`import_ckpt` / `export_ckpt`, NeMo's names for checkpoint conversion (`llm.import_ckpt`, `llm.export_ckpt`).
 
-Sources and targets: `hf` (a local Hugging Face Llama directory) and `megatron` (Megatron-Core / NeMo 2.0 GPT
-naming). A source is `hf:///abs/path` or `megatron:///abs/path`. Both print what they wrote: the output, the model's
+Sources and targets: `hf` (a local Hugging Face directory of LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM or Qwen3ForCausalLM) and `megatron` (Megatron-Core / NeMo 2.0 GPT naming). A source is
+`hf:///abs/path` or `megatron:///abs/path`. Both print what they wrote: the output, the model's
 shape and parameter count, its files and bytes.
 """
 
@@ -47,6 +48,10 @@ def import_ckpt(
 ) -> Path:
     """Convert `source` (`hf:///dir` or `megatron:///checkpoint`) into our checkpoint at `output_path`.
 
+    Hugging Face families: LlamaForCausalLM (Llama 2, 3, 3.1+ with llama3 rope scaling), MistralForCausalLM (no
+    sliding window shorter than the sequence), Qwen2ForCausalLM and Qwen3ForCausalLM; any other architecture (and
+    MoE models such as MixtralForCausalLM, not yet) is refused, naming it.
+
     `config`: the GPT's shape, needed for `megatron` sources (their tensors do not tell the number of heads);
     `hf` sources take it from `config.json`.
     """
@@ -72,6 +77,9 @@ def export_ckpt(
     overwrite: bool = False,
 ) -> Path:
     """Write our checkpoint `path` as `target` (`hf` or `megatron`) to `output_path`.
+
+    Hugging Face families: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM (an import keeps
+    its own; a model trained here is written as Qwen3 with q/k norms, Qwen2 with q/k/v biases, else Llama).
 
     An adapter (LoRA) checkpoint is merged into its base on the way. The Hugging Face export carries the tokenizer
     `path` stores (every checkpoint saved in training stores its data's; an adapter checkpoint's base serves if it

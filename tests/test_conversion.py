@@ -14,6 +14,7 @@ from nemo_ckpt.conversion import export_ckpt, import_ckpt
 from nemo_ckpt.dist_checkpointing import ShardedTensor
 from nemo_ckpt.models import GPTConfig, GPTModel, gpt_config
 from nemo_ckpt.models.gpt.convert import UnsupportedModelError
+from nemo_ckpt.models.gpt.convert.hf import SUPPORTED_ARCHITECTURES
 from nemo_ckpt.peft import LoRA, LoRALinear
 from tests.helpers import commands
 
@@ -60,6 +61,15 @@ def test_cli_import_prints_what_it_wrote(tmp_path):
     assert f"import_ckpt: wrote {tmp_path / 'ours'}\n" in result.stdout
     assert "model: 1 layers, hidden 32, 2 heads (2 query groups), vocab 64, " in result.stdout
     assert _files_and_bytes(tmp_path / "ours") in result.stdout
+
+
+@pytest.mark.parametrize("command", ["import_ckpt", "export_ckpt"])
+def test_help_names_the_supported_families(tmp_path, command):
+    result = commands.nemo("nemo_ckpt", command, "--help", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout
+    text = " ".join(result.stdout.split())  # the help wraps lines
+    for architecture in SUPPORTED_ARCHITECTURES:
+        assert architecture in text, architecture
 
 
 def test_moe_models_are_refused_by_name_before_anything_is_written(tmp_path):

@@ -2,14 +2,15 @@
 
 Model FLOPs count the matrix multiplications of one forward and backward pass, as Megatron-LM (Narayanan et al.,
 2021) and PaLM (Chowdhery et al., 2022, appendix B) do for MFU. Per token, with `L` layers, hidden size `h`, FFN
-size `f`, key/value width `kv = num_query_groups * head_dim`, sequence length `s` and vocabulary `V`:
+size `f`, query width `q = num_attention_heads * head_dim` (h, unless `kv_channels` says otherwise), key/value
+width `kv = num_query_groups * head_dim`, sequence length `s` and vocabulary `V`:
 
-    forward  = 2 * N + 4 * L * s * h        N = L * (h * (h + 2 * kv) + h * h + 3 * h * f) + h * V
+    forward  = 2 * N + 4 * L * s * q        N = L * (h * (q + 2 * kv) + q * h + 3 * h * f) + h * V
     training = 3 * forward                  backward = 2 * forward (gradients of inputs and of weights)
 
 `N` is the number of weights used in matrix multiplications: query, key/value and output projections, the
 three matrices of the SwiGLU MLP, the output layer (also when tied to the embedding); the embedding lookup and
-norms do no matrix multiplication. `4 * L * s * h` is attention itself (scores `Q K^T` and `softmax @ V`, two
+norms do no matrix multiplication. `4 * L * s * q` is attention itself (scores `Q K^T` and `softmax @ V`, two
 FLOPs per multiply-add) over the whole `s x s` score matrix, causal mask or not, like `torch.utils.flop_counter`
 counts `scaled_dot_product_attention`. Activation recomputation is not counted (model FLOPs, not hardware FLOPs).
 """
@@ -39,14 +40,14 @@ SIXTEEN_BIT_PRECISIONS = ("bf16-mixed", "bf16-true", "bf16", "16-mixed", "16-tru
 def matmul_weights(config: GPTConfig) -> int:
     """`N`: weights used in matrix multiplications (no embedding lookup, no norms)."""
     h = config.hidden_size
-    kv = config.num_query_groups * config.head_dim
-    per_layer = h * (h + 2 * kv) + h * h
+    q, kv = config.num_attention_heads * config.head_dim, config.num_query_groups * config.head_dim
+    per_layer = h * (q + 2 * kv) + q * h
     return config.num_layers * per_layer + active_mlp_weights(config) + h * config.vocab_size
 
 
 def training_flops_per_token(config: GPTConfig) -> int:
     """Forward + backward model FLOPs per token of a `config.seq_length`-long sequence."""
-    attention = 4 * config.num_layers * config.seq_length * config.hidden_size
+    attention = 4 * config.num_layers * config.seq_length * config.num_attention_heads * config.head_dim
     return 3 * (2 * matmul_weights(config) + attention)
 
 

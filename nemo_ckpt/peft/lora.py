@@ -27,17 +27,17 @@ MEGATRON_TARGETS = {
 
 
 class LoRALinear(nn.Linear):
-    """A frozen bias-free linear layer with a trainable low-rank update."""
+    """A frozen linear layer (its bias, if any, frozen too: Qwen2's q/k/v) with a trainable low-rank update."""
 
     def __init__(self, base: nn.Linear, dim: int, alpha: float, dropout: float) -> None:
         nn.Module.__init__(self)
-        if base.bias is not None:
-            raise ValueError("LoRALinear wraps bias-free linear layers only")
         self.in_features, self.out_features = base.in_features, base.out_features
         self.init_std = getattr(base, "init_std", None)
         self.weight = base.weight
         self.weight.requires_grad_(False)
-        self.register_parameter("bias", None)
+        self.bias = base.bias
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
         factory = {"device": base.weight.device, "dtype": base.weight.dtype}
         self.lora_a = nn.Parameter(torch.empty(dim, self.in_features, **factory))
         self.lora_b = nn.Parameter(torch.empty(self.out_features, dim, **factory))
@@ -54,10 +54,13 @@ class LoRALinear(nn.Linear):
     def reset_parameters(self) -> None:
         if self.init_std is not None:
             nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
         self.reset_adapters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight) + F.linear(F.linear(self._drop(x), self.lora_a), self.lora_b) * self.scale
+        update = F.linear(F.linear(self._drop(x), self.lora_a), self.lora_b) * self.scale
+        return F.linear(x, self.weight, self.bias) + update
 
     def tensor_parallel_placements(self, style: str) -> dict[str, Placement]:
         """The adapters' placements over `tp` when the base layer is `style`-parallel (`"colwise"`: weight

@@ -1,8 +1,10 @@
 """megatron-core's own GPTModel (0.19.2, built on CPU with its local layer spec) loads the state our
-`export_ckpt(target="megatron")` writes and gives our logits. Skips when megatron-core is not importable
+`export_ckpt(target="megatron")` writes and gives our logits: a Llama model, and one with Qwen's options (q/k/v
+biases, q/k norms, a head width of its own) and Llama 3.1's rope scaling. Skips when megatron-core is not importable
 (`tests/install_megatron_core.sh`)."""
 
 import contextlib
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -12,13 +14,23 @@ from nemo_ckpt.api import export_ckpt
 from nemo_ckpt.checkpoint.context import save_context
 from nemo_ckpt.checkpoint.layout import weights_dir
 from nemo_ckpt.dist_checkpointing import ShardedTensor
-from nemo_ckpt.models import GPT, GPTModel, gpt_config
+from nemo_ckpt.models import GPT, GPTConfig, GPTModel, gpt_config
 from tests.helpers.distributed import run_distributed
 from tests.helpers.megatron import import_megatron_on_cpu, importorskip_megatron_core
 
 importorskip_megatron_core("megatron.core.models.gpt")
 
 CONFIG = gpt_config("tiny", num_attention_heads=4, num_query_groups=2, num_layers=2)
+QWEN_LIKE = gpt_config(
+    "tiny",
+    num_attention_heads=4,
+    num_query_groups=2,
+    num_layers=2,
+    kv_channels=32,
+    add_qkv_bias=True,
+    qk_layernorm=True,
+    rope_scaling=True,  # megatron-core's fixed factors: 8, 1, 4, 8192 (GPTConfig's defaults)
+)
 # the local spec keeps the norms as modules of their own instead of inside the fused linears
 LOCAL_SPEC_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -26,25 +38,36 @@ LOCAL_SPEC_NAMES = {
 }
 
 
-def megatron_logits(rank: int, world_size: int, state: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
-    """Logits of megatron-core's GPTModel with `state` (one process, tensor/pipeline parallel size 1)."""
+def megatron_logits(
+    rank: int, world_size: int, cases: list[tuple[GPTConfig, dict[str, torch.Tensor]]], tokens: torch.Tensor
+) -> list[torch.Tensor]:
+    """Logits of megatron-core's GPTModel for each (config, state) of `cases` (one process, tensor/pipeline
+    parallel size 1)."""
     import_megatron_on_cpu("megatron.core")
     from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.models.gpt import GPTModel as MegatronGPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     parallel_state.initialize_model_parallel()
     # dropout is 0; its CUDA RNG tracker fork has no CPU counterpart
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+    return [_megatron_logits(config, state, tokens) for config, state in cases]
+
+
+def _megatron_logits(ours: GPTConfig, state: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    from megatron.core.models.gpt import GPTModel as MegatronGPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
     config = TransformerConfig(
-        num_layers=CONFIG.num_layers,
-        hidden_size=CONFIG.hidden_size,
-        num_attention_heads=CONFIG.num_attention_heads,
-        num_query_groups=CONFIG.num_query_groups,
-        ffn_hidden_size=CONFIG.ffn_hidden_size,
+        num_layers=ours.num_layers,
+        hidden_size=ours.hidden_size,
+        num_attention_heads=ours.num_attention_heads,
+        num_query_groups=ours.num_query_groups,
+        kv_channels=ours.head_dim,
+        ffn_hidden_size=ours.ffn_hidden_size,
         normalization="RMSNorm",
-        layernorm_epsilon=CONFIG.layernorm_epsilon,
+        layernorm_epsilon=ours.layernorm_epsilon,
+        add_qkv_bias=ours.add_qkv_bias,
+        qk_layernorm=ours.qk_layernorm,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -59,11 +82,12 @@ def megatron_logits(rank: int, world_size: int, state: dict[str, torch.Tensor], 
     )
     model = MegatronGPTModel(
         config,
-        get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=CONFIG.vocab_size,
-        max_sequence_length=CONFIG.seq_length,
+        get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=ours.qk_layernorm),
+        vocab_size=ours.vocab_size,
+        max_sequence_length=ours.seq_length,
         position_embedding_type="rope",
-        rotary_base=CONFIG.rotary_base,
+        rotary_base=ours.rotary_base,
+        rope_scaling=ours.rope_scaling,
         share_embeddings_and_output_weights=False,
     )
     model.load_state_dict(state, strict=True)
@@ -88,24 +112,31 @@ def per_layer_local_spec(stored: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return state
 
 
-def test_megatron_core_gpt_model_gives_our_logits(tmp_path):
+def exported_state(config: GPTConfig, directory: Path) -> tuple[GPT, dict[str, torch.Tensor]]:
+    """A random GPT of `config` and its `export_ckpt(target="megatron")` state in megatron-core's module names."""
     torch.manual_seed(0)
-    ours = GPT(CONFIG)
+    ours = GPT(config)
     with torch.no_grad():
         for param in ours.parameters():
-            param.normal_(std=0.05)  # norms too
-    checkpoint = tmp_path / "ours"
+            param.normal_(std=0.05)  # norms and biases too
+    checkpoint = directory / "ours"
     weights_dir(checkpoint).mkdir(parents=True)
     state = {
         f"module.{k}": ShardedTensor.from_rank_offsets(f"module.{k}", v, replica_id=0)
         for k, v in ours.state_dict().items()
     }
     dist_checkpointing.save({"state_dict": state}, weights_dir(checkpoint))
-    save_context(checkpoint, model=GPTModel(CONFIG))
-    exported = export_ckpt(str(checkpoint), str(tmp_path / "mcore"), target="megatron")
-    megatron_state = per_layer_local_spec(dist_checkpointing.load_plain_tensors(weights_dir(exported)))
+    save_context(checkpoint, model=GPTModel(config))
+    exported = export_ckpt(str(checkpoint), str(directory / "mcore"), target="megatron")
+    return ours, per_layer_local_spec(dist_checkpointing.load_plain_tensors(weights_dir(exported)))
+
+
+def test_megatron_core_gpt_model_gives_our_logits(tmp_path):
+    configs = [CONFIG, QWEN_LIKE]
+    models, states = zip(*(exported_state(config, tmp_path / str(i)) for i, config in enumerate(configs)))
     tokens = torch.randint(CONFIG.vocab_size, (2, 16))
-    [logits] = run_distributed(megatron_logits, 1, megatron_state, tokens)
-    with torch.no_grad():
-        expected = ours(tokens)
-    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+    all_logits = run_distributed(megatron_logits, 1, list(zip(configs, states)), tokens)[0]
+    for model, logits in zip(models, all_logits):
+        with torch.no_grad():
+            expected = model(tokens)
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)

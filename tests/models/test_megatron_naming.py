@@ -17,7 +17,7 @@ from nemo_ckpt.checkpoint.layout import hf_artifacts_dir, weights_dir
 from nemo_ckpt.data.tokenizer import ByteLevelTokenizer
 from nemo_ckpt.dist_checkpointing import ShardedTensor
 from nemo_ckpt.models import GPT, GPTModel, gpt_config
-from nemo_ckpt.models.gpt.convert.megatron import FC1, QKV, from_megatron, to_megatron
+from nemo_ckpt.models.gpt.convert.megatron import FC1, QKV, QKV_BIAS, from_megatron, to_megatron
 
 CONFIG = gpt_config("tiny", num_attention_heads=4, num_query_groups=2, num_layers=3)
 
@@ -39,6 +39,18 @@ def test_round_trip_is_bit_exact_and_layers_are_stacked():
     assert megatron[FC1].shape == (3, 2 * CONFIG.ffn_hidden_size, CONFIG.hidden_size)
     assert "output_layer.weight" in megatron and "decoder.layers.mlp.linear_fc1.layer_norm_weight" in megatron
     back = from_megatron(megatron, CONFIG)
+    assert back.keys() == ours.keys()
+    for key in ours:
+        assert torch.equal(back[key], ours[key]), key
+
+
+def test_qwen_options_round_trip_bit_exact():
+    config = gpt_config("tiny", num_query_groups=2, add_qkv_bias=True, qk_layernorm=True, kv_channels=32)
+    ours = our_state(config)
+    megatron = to_megatron(ours.__getitem__, config)
+    assert megatron[QKV_BIAS].shape == (2, (4 + 2 * 2) * 32)
+    assert megatron["decoder.layers.self_attention.q_layernorm.weight"].shape == (2, 32)
+    back = from_megatron(megatron, config)
     assert back.keys() == ours.keys()
     for key in ours:
         assert torch.equal(back[key], ours[key]), key

@@ -18,9 +18,9 @@ from tests.helpers.distributed import run_distributed
 from tests.peft.lora_training import train_lora, train_lora_tensor_parallel
 
 
-def lora_gpt(**lora) -> GPT:
+def lora_gpt(config=None, **lora) -> GPT:
     torch.manual_seed(0)
-    model = GPT(gpt_config("tiny"))
+    model = GPT(config or gpt_config("tiny"))
     LoRA(**lora).apply(model)
     with torch.no_grad():
         for module in model.modules():
@@ -41,9 +41,8 @@ def test_only_adapters_train_and_megatron_names_select_layers():
     assert "layers.0.self_attention.q_proj.weight" in model.state_dict()  # base names unchanged
 
 
-def test_merged_weights_give_the_logits_of_base_plus_adapters():
-    model = lora_gpt()
-    tokens = torch.randint(256, (2, 16))
+def merged_copy(model: GPT) -> GPT:
+    """A plain GPT holding `model`'s weights with its adapters merged in."""
     merged = GPT(model.config)
     state = {}
     for name, module in model.named_modules():
@@ -53,8 +52,19 @@ def test_merged_weights_give_the_logits_of_base_plus_adapters():
         if not LoRA.is_adapter_key(key):
             state.setdefault(key, value)
     merged.load_state_dict(state)
+    return merged
+
+
+@pytest.mark.parametrize("config", [{}, {"add_qkv_bias": True}])
+def test_merged_weights_give_the_logits_of_base_plus_adapters(config):
+    model = lora_gpt(gpt_config("tiny", **config))
+    if config:  # Qwen2's biased q/k/v: the adapters leave the bias frozen and in place
+        with torch.no_grad():
+            model.layers[0].self_attention.q_proj.bias.normal_()
+        assert not model.layers[0].self_attention.q_proj.bias.requires_grad
+    tokens = torch.randint(256, (2, 16))
     with torch.no_grad():
-        torch.testing.assert_close(merged(tokens), model(tokens), atol=1e-6, rtol=0)
+        torch.testing.assert_close(merged_copy(model)(tokens), model(tokens), atol=1e-6, rtol=0)
 
 
 def test_adapter_checkpoint_of_the_small_model_is_under_5_percent():

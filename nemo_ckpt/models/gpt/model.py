@@ -22,6 +22,12 @@ class GPTConfig:
     `vocab_size`: rows of the embedding and output layer; None takes the tokenizer's vocabulary, padded up to a
     multiple of `make_vocab_size_divisible_by` (Megatron's and NeMo's rule), when `pretrain` / `finetune` meet the
     data (`with_vocab_of`). The padding rows are never targets: the tokenizer does not produce their ids.
+    `kv_channels`: the width of an attention head (None: hidden_size / num_attention_heads).
+    `add_qkv_bias`: biases on the q, k and v projections (Qwen2); `qk_layernorm`: RMSNorm of each query and key
+    head before the rotary embedding (Qwen3).
+    `rope_scaling`: Llama 3.1's frequency-dependent rotary scaling (`rope_type: "llama3"`): wavelengths longer than
+    `rope_original_max_position_embeddings / rope_low_freq_factor` are stretched by `rope_scaling_factor`, those
+    shorter than `... / rope_high_freq_factor` kept, those between interpolated.
     """
 
     num_layers: int = 2
@@ -32,7 +38,15 @@ class GPTConfig:
     vocab_size: int | None = 256
     make_vocab_size_divisible_by: int = 128
     seq_length: int = 32
+    kv_channels: int | None = None
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
     rotary_base: float = 10000.0
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
     layernorm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     share_embeddings_and_output_weights: bool = False
@@ -76,9 +90,17 @@ class GPTConfig:
             )
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
-                f"hidden_size={self.hidden_size} must be divisible by num_attention_heads={self.num_attention_heads}"
+                f"hidden_size={self.hidden_size} must be divisible by num_attention_heads={self.num_attention_heads} "
+                "(or set kv_channels, the width of a head)"
+            )
+        if self.kv_channels is not None and (self.kv_channels < 2 or self.kv_channels % 2):
+            raise ValueError(f"GPTConfig.kv_channels={self.kv_channels}: use an even number (rotary pairs)")
+        if self.rope_scaling and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ValueError(
+                f"GPTConfig.rope_low_freq_factor={self.rope_low_freq_factor} and rope_high_freq_factor="
+                f"{self.rope_high_freq_factor}: use 0 < low < high (Llama 3.1: 1 and 4)"
             )
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
@@ -88,13 +110,14 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     def num_parameters(self) -> int:
         """Parameter count, without building the model."""
         require_vocab_size(self)
-        kv_dim = self.num_query_groups * self.head_dim
-        attention = self.hidden_size * (self.hidden_size + 2 * kv_dim) + self.hidden_size**2
+        q_dim, kv_dim = self.num_attention_heads * self.head_dim, self.num_query_groups * self.head_dim
+        attention = self.hidden_size * (q_dim + 2 * kv_dim) + q_dim * self.hidden_size
+        attention += (q_dim + 2 * kv_dim) * self.add_qkv_bias + 2 * self.head_dim * self.qk_layernorm
         mlp = 3 * self.hidden_size * self.ffn_hidden_size
         moe_ffn = (self.moe_ffn_hidden_size or self.ffn_hidden_size) * (self.num_moe_experts or 0)
         moe = 3 * self.hidden_size * (moe_ffn + (self.moe_shared_expert_intermediate_size or 0))
@@ -196,14 +219,17 @@ def gpt_config(size: str = "tiny", **overrides) -> GPTConfig:
 
 
 class Linear(nn.Linear):
-    """A bias-free linear layer whose `reset_parameters` is Megatron's normal(0, `init_std`) init."""
+    """A linear layer (bias-free unless `bias`) whose `reset_parameters` is Megatron's init: weight normal(0,
+    `init_std`), bias zero."""
 
-    def __init__(self, in_features: int, out_features: int, init_std: float) -> None:
+    def __init__(self, in_features: int, out_features: int, init_std: float, bias: bool = False) -> None:
         self.init_std = init_std
-        super().__init__(in_features, out_features, bias=False)
+        super().__init__(in_features, out_features, bias=bias)
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
 
 class Embedding(nn.Embedding):
@@ -222,12 +248,27 @@ def output_init_std(config: GPTConfig) -> float:
     return config.init_method_std / math.sqrt(2.0 * config.num_layers)
 
 
+def rotary_frequencies(config: GPTConfig, device: torch.device | None = None) -> torch.Tensor:
+    """The rotary embedding's inverse frequencies [head_dim / 2], with Llama 3.1's scaling (`rope_scaling`)."""
+    inv_freq = 1.0 / config.rotary_base ** (
+        torch.arange(0, config.head_dim, 2, device=device).float() / config.head_dim
+    )
+    if not config.rope_scaling:
+        return inv_freq
+    factor, original = config.rope_scaling_factor, config.rope_original_max_position_embeddings
+    low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(medium, smoothed, scaled)
+
+
 def rotary_tables(config: GPTConfig, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles at `position_ids` (global positions): [seq] gives [seq, head_dim / 2],
     [batch, seq] (a data set's per-sample positions) gives [batch, 1, seq, head_dim / 2], broadcast over heads."""
-    inv_freq = 1.0 / config.rotary_base ** (
-        torch.arange(0, config.head_dim, 2, device=position_ids.device).float() / config.head_dim
-    )
+    inv_freq = rotary_frequencies(config, position_ids.device)
     angles = position_ids.float().unsqueeze(-1) * inv_freq
     if angles.dim() == 3:
         angles = angles.unsqueeze(1)
@@ -257,12 +298,16 @@ class Attention(nn.Module):
         super().__init__()
         self.config = config
         self.context_parallel: ContextParallel | None = None
-        kv_dim = config.num_query_groups * config.head_dim
-        std = config.init_method_std
-        self.q_proj = Linear(config.hidden_size, config.hidden_size, std)
-        self.k_proj = Linear(config.hidden_size, kv_dim, std)
-        self.v_proj = Linear(config.hidden_size, kv_dim, std)
-        self.o_proj = Linear(config.hidden_size, config.hidden_size, output_init_std(config))
+        q_dim, kv_dim = config.num_attention_heads * config.head_dim, config.num_query_groups * config.head_dim
+        std, bias = config.init_method_std, config.add_qkv_bias
+        self.q_proj = Linear(config.hidden_size, q_dim, std, bias)
+        self.k_proj = Linear(config.hidden_size, kv_dim, std, bias)
+        self.v_proj = Linear(config.hidden_size, kv_dim, std, bias)
+        self.o_proj = Linear(q_dim, config.hidden_size, output_init_std(config))
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            self.q_layernorm = nn.RMSNorm(config.head_dim, eps=config.layernorm_epsilon)
+            self.k_layernorm = nn.RMSNorm(config.head_dim, eps=config.layernorm_epsilon)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
@@ -271,8 +316,11 @@ class Attention(nn.Module):
         packed sequences (`packed_attention_mask`)."""
         batch, seq, _ = x.shape
         head_dim = self.config.head_dim
-        q = self.q_proj(x).view(batch, seq, -1, head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq, -1, head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(batch, seq, -1, head_dim)
+        k = self.k_proj(x).view(batch, seq, -1, head_dim)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, -1, head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.context_parallel is not None:

@@ -5,8 +5,9 @@ The plan follows Megatron-Core and torchtitan: q/k/v and gate/up projections are
 output layer column-parallel with its logits gathered. With `sequence_parallel`, norms run on sequence shards
 (`SequenceParallel`) and activations between blocks stay sharded on the sequence dimension; without it, norms
 hold `Replicate` weights. A linear layer carrying LoRA adapters places them like Megatron-Core (see
-`LoRALinear.tensor_parallel_placements`). Every parameter becomes a DTensor on the `tp` mesh, so FSDP
-(`fully_shard` on the `dp` mesh) composes on top and gradient clipping sees one mesh.
+`LoRALinear.tensor_parallel_placements`); q/k/v biases are split with their weights; the per-head q/k norms
+(`qk_layernorm`) hold replicated weights and run on the local heads. Every parameter becomes a DTensor on the `tp`
+mesh, so FSDP (`fully_shard` on the `dp` mesh) composes on top and gradient clipping sees one mesh.
 
 A mixture-of-experts layer (`MoELayer`) gets its input gathered like the dense MLP; its router is replicated,
 its shared expert is split like the dense MLP, and its routed experts are split the same way with their outputs
@@ -121,6 +122,9 @@ def tensor_parallel_plan(config: GPTConfig, sequence_parallel: bool) -> dict[str
     else:
         plan["final_layernorm"] = norm()
         plan["output_layer"] = LinearColwiseParallel(input_layouts=activations, output_layouts=Replicate())
+    if config.qk_layernorm:  # on this rank's heads: a replicated weight, its gradient summed over the heads of all
+        for name in ("q_layernorm", "k_layernorm"):
+            plan[f"layers.*.self_attention.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if config.num_moe_experts:  # dense and MoE layers: each layer's MLP gets the plan of its kind
         plan = {path: style for path, style in plan.items() if not path.startswith("layers.*.mlp")}
         plan["layers.*.mlp"] = FeedForwardParallel(activations)

@@ -1,4 +1,9 @@
-"""Hugging Face Llama (`LlamaForCausalLM`) <-> our GPT checkpoints.
+"""Hugging Face Llama-family models <-> our GPT checkpoints.
+
+Families (`FAMILIES`): `LlamaForCausalLM` (Llama 2, 3, and 3.1+ with `rope_type: "llama3"` scaling),
+`MistralForCausalLM` (no sliding window, or one at least as long as the sequence), `Qwen2ForCausalLM` (q/k/v
+biases: `GPTConfig.add_qkv_bias`) and `Qwen3ForCausalLM` (per-head q/k RMSNorm: `qk_layernorm`, explicit
+`head_dim`: `kv_channels`). Any other architecture is refused, naming it and the supported ones.
 
 `import_hf` turns a local Hugging Face directory (`config.json` + `*.safetensors`, sharded or not) into a checkpoint
 of ours: `weights/` (a `dist_checkpointing` checkpoint under the keys training uses, e.g.
@@ -21,6 +26,7 @@ import logging
 import re
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +60,6 @@ from nemo_ckpt.models.gpt.model import GPT, GPTConfig, padded_vocab_size
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURE = "LlamaForCausalLM"
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 MODEL_CONFIG_FILES = (CONFIG_FILE, GENERATION_CONFIG_FILE)
@@ -66,6 +71,28 @@ HF_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
 POSITIVE_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 OPTIONAL_POSITIVE_INTS = ("num_key_value_heads", "max_position_embeddings", "head_dim")
 POSITIVE_NUMBERS = ("rope_theta", "rms_norm_eps", "initializer_range")
+
+
+@dataclass(frozen=True)
+class Family:
+    """A Hugging Face architecture our GPT converts: its `model_type` and the options it fixes."""
+
+    architecture: str
+    model_type: str
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+
+
+FAMILIES = {
+    family.model_type: family
+    for family in (
+        Family("LlamaForCausalLM", "llama"),
+        Family("MistralForCausalLM", "mistral"),
+        Family("Qwen2ForCausalLM", "qwen2", add_qkv_bias=True),
+        Family("Qwen3ForCausalLM", "qwen3", qk_layernorm=True),
+    )
+}
+SUPPORTED_ARCHITECTURES = [family.architecture for family in FAMILIES.values()]
 
 # (ours, Hugging Face) key patterns; `{}` is the layer number.
 _LAYER_KEYS = (
@@ -79,6 +106,11 @@ _LAYER_KEYS = (
     ("mlp.up_proj.weight", "mlp.up_proj.weight"),
     ("mlp.down_proj.weight", "mlp.down_proj.weight"),
 )
+_QKV_BIAS_KEYS = tuple((f"self_attention.{p}_proj.bias", f"self_attn.{p}_proj.bias") for p in "qkv")
+_QK_NORM_KEYS = (
+    ("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+    ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
+)
 _GLOBAL_KEYS = {
     "module.embedding.weight": "model.embed_tokens.weight",
     "module.final_layernorm.weight": "model.norm.weight",
@@ -91,8 +123,9 @@ def hf_key_map(config: GPTConfig) -> dict[str, str]:
     keys = {ours: hf for ours, hf in _GLOBAL_KEYS.items()}
     if config.share_embeddings_and_output_weights:
         del keys["module.output_layer.weight"]
+    layer_keys = _LAYER_KEYS + _QKV_BIAS_KEYS * config.add_qkv_bias + _QK_NORM_KEYS * config.qk_layernorm
     for layer in range(config.num_layers):
-        for ours, hf in _LAYER_KEYS:
+        for ours, hf in layer_keys:
             keys[f"module.layers.{layer}.{ours}"] = f"model.layers.{layer}.{hf}"
     return keys
 
@@ -104,48 +137,84 @@ def gpt_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     return {f"module.{key}": tuple(tensor.shape) for key, tensor in module.state_dict().items()}
 
 
-def _rope_theta(hf: dict[str, Any], path: Path) -> float:
+LLAMA3_ROPE = {  # rope_parameters key -> GPTConfig field
+    "factor": "rope_scaling_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_position_embeddings": "rope_original_max_position_embeddings",
+}
+
+
+def _rope(hf: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The GPTConfig rotary fields of `hf` (`rope_parameters`, or the older `rope_scaling` / `rope_theta`)."""
     rope = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     if not isinstance(rope, dict) or not isinstance(scaling, dict):
         raise MalformedModelError(f"{path}: rope_parameters or rope_scaling is not a JSON object")
-    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
+    rope = {**scaling, **rope}
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type not in ("default", "llama3"):
         raise ValueError(
             f"{path}: rope type {rope_type!r} (rope_scaling / rope_parameters) is not supported; our GPT implements "
-            "the default rotary embedding only"
+            "the default rotary embedding and Llama 3.1's ('llama3')"
         )
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not 0 < theta < float("inf"):
-        raise MalformedModelError(f"{path}: rope_theta={theta!r} is not a positive number")
-    return float(theta)
+    values = {"rope_theta": rope.get("rope_theta", hf.get("rope_theta", 10000.0))}
+    if rope_type == "llama3":
+        missing = [key for key in LLAMA3_ROPE if key not in rope]
+        if missing:
+            raise MalformedModelError(f"{path}: rope type 'llama3' lacks {missing}")
+        values |= {key: rope[key] for key in LLAMA3_ROPE}
+    for key, value in values.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+            raise MalformedModelError(f"{path}: {key}={value!r} is not a positive number")
+    fields = {"rotary_base": float(values.pop("rope_theta")), "rope_scaling": rope_type == "llama3"}
+    return fields | {LLAMA3_ROPE[key]: value for key, value in values.items()}
 
 
-def gpt_config_from_hf(hf: dict[str, Any], path: Path, make_vocab_size_divisible_by: int = 1) -> GPTConfig:
-    """The `GPTConfig` of a Hugging Face Llama `config.json` (read from `path`); bad fields raise, naming them."""
+def _family(hf: dict[str, Any], path: Path) -> Family:
     architectures = hf.get("architectures") or [hf.get("model_type")]
     if not isinstance(architectures, list):
         raise MalformedModelError(f"{path}: architectures={architectures!r} is not a list")
-    if ARCHITECTURE not in architectures and hf.get("model_type") != "llama":
-        raise ValueError(f"{path}: architectures={architectures} is not supported; only {ARCHITECTURE} converts")
+    for family in FAMILIES.values():
+        if family.architecture in architectures or hf.get("model_type") == family.model_type:
+            return family
+    raise ValueError(
+        f"{path}: architectures={architectures} is not supported; these convert: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _check_attention_window(hf: dict[str, Any], family: Family, path: Path) -> None:
+    """Refuse a sliding attention window shorter than the sequence (our attention sees every earlier token)."""
+    window = hf.get("sliding_window")
+    used = family.model_type == "mistral" or hf.get("use_sliding_window", False)
+    length = hf.get("max_position_embeddings", 2048)
+    if used and window is not None and window < length:
+        raise ValueError(
+            f"{path}: sliding_window={window} masks attention beyond {window} tokens of the "
+            f"max_position_embeddings={length}; our GPT does not implement sliding-window attention (models whose "
+            "window is None or covers the sequence convert)"
+        )
+
+
+def gpt_config_from_hf(hf: dict[str, Any], path: Path, make_vocab_size_divisible_by: int = 1) -> GPTConfig:
+    """The `GPTConfig` of a Hugging Face `config.json` of a supported family (read from `path`); bad fields raise,
+    naming them."""
+    family = _family(hf, path)
     missing = [key for key in POSITIVE_INTS if key not in hf]
     if missing:
-        raise ValueError(f"{path} lacks {missing}, which a Llama config.json holds")
+        raise ValueError(f"{path} lacks {missing}, which a {family.architecture} config.json holds")
     _check_config_values(hf, path)
     unsupported = {
         "hidden_act": (hf.get("hidden_act", "silu"), "silu"),
-        "attention_bias": (hf.get("attention_bias", False), False),
         "mlp_bias": (hf.get("mlp_bias", False), False),
     }
+    if not family.add_qkv_bias:  # Llama's, Qwen3's attention_bias adds an output bias too
+        unsupported["attention_bias"] = (hf.get("attention_bias", False), False)
     for key, (value, supported) in unsupported.items():
         if value != supported:
             raise ValueError(f"{path}: {key}={value!r} is not supported (our GPT has {key}={supported!r})")
-    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, head_dim):
-        raise ValueError(
-            f"{path}: head_dim={hf['head_dim']} differs from hidden_size / num_attention_heads = {head_dim}, "
-            "which our GPT requires"
-        )
+    _check_attention_window(hf, family, path)
+    head_dim = hf.get("head_dim")
     return GPTConfig(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
@@ -154,7 +223,10 @@ def gpt_config_from_hf(hf: dict[str, Any], path: Path, make_vocab_size_divisible
         ffn_hidden_size=hf["intermediate_size"],
         vocab_size=padded_vocab_size(hf["vocab_size"], make_vocab_size_divisible_by),
         seq_length=hf.get("max_position_embeddings", 2048),
-        rotary_base=_rope_theta(hf, path),
+        kv_channels=None if head_dim in (None, hf["hidden_size"] // hf["num_attention_heads"]) else head_dim,
+        add_qkv_bias=family.add_qkv_bias,
+        qk_layernorm=family.qk_layernorm,
+        **_rope(hf, path),
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         init_method_std=hf.get("initializer_range", 0.02),
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
@@ -179,10 +251,10 @@ def _check_config_values(hf: dict[str, Any], path: Path) -> None:
     if not isinstance(hf.get("tie_word_embeddings", False), bool):
         raise MalformedModelError(f"{path}: tie_word_embeddings={hf['tie_word_embeddings']!r} is not a boolean")
     heads, groups = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
-    if hf["hidden_size"] % heads or heads % groups:
+    if (hf.get("head_dim") is None and hf["hidden_size"] % heads) or heads % groups:
         raise MalformedModelError(
             f"{path}: hidden_size={hf['hidden_size']}, num_attention_heads={heads} and num_key_value_heads={groups} "
-            "do not divide (hidden_size by heads, heads by key/value heads)"
+            "do not divide (hidden_size by heads, unless head_dim is given; heads by key/value heads)"
         )
 
 
@@ -207,10 +279,21 @@ def check_config_against_weights(hf: dict[str, Any], tensors: dict[str, torch.Te
 
 
 def hf_config_from_gpt(config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """A Hugging Face Llama `config.json` for a GPT with `config` (for checkpoints not imported from one)."""
+    """A Hugging Face `config.json` for a GPT with `config` (for checkpoints not imported from one): Qwen3 with
+    q/k norms, Qwen2 with q/k/v biases, else Llama."""
+    if config.qk_layernorm and config.add_qkv_bias:
+        raise UnsupportedModelError(
+            "add_qkv_bias=True with qk_layernorm=True: no Hugging Face family has both (Qwen2 has the biases, Qwen3 "
+            "the norms)"
+        )
+    family = FAMILIES["qwen3" if config.qk_layernorm else "qwen2" if config.add_qkv_bias else "llama"]
+    rope = {"rope_type": "default", "rope_theta": config.rotary_base}
+    if config.rope_scaling:
+        rope = {"rope_type": "llama3", "rope_theta": config.rotary_base}
+        rope |= {key: getattr(config, field) for key, field in LLAMA3_ROPE.items()}
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
@@ -223,7 +306,7 @@ def hf_config_from_gpt(config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
         "vocab_size": config.vocab_size,
         "max_position_embeddings": config.seq_length,
         "rope_theta": config.rotary_base,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rotary_base},
+        "rope_parameters": rope,
         "rms_norm_eps": config.layernorm_epsilon,
         "initializer_range": config.init_method_std,
         "tie_word_embeddings": config.share_embeddings_and_output_weights,

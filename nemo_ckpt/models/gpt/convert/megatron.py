@@ -8,7 +8,9 @@ homogeneous layers):
     embedding.word_embeddings.weight                 <- embedding.weight
     decoder.layers.self_attention.linear_qkv.weight  <- q/k/v_proj, interleaved per query group:
                                                         [q heads of group 0, k0, v0, q heads of group 1, k1, v1, ...]
+    decoder.layers.self_attention.linear_qkv.bias    <- q/k/v_proj biases, interleaved the same way (add_qkv_bias)
     decoder.layers.self_attention.linear_qkv.layer_norm_weight  <- input_layernorm.weight (fused into the linear)
+    decoder.layers.self_attention.q_layernorm.weight <- q_layernorm.weight, and k_layernorm (qk_layernorm)
     decoder.layers.self_attention.linear_proj.weight <- o_proj
     decoder.layers.mlp.linear_fc1.weight             <- [gate_proj; up_proj] (SwiGLU: silu(first half) * second)
     decoder.layers.mlp.linear_fc1.layer_norm_weight  <- pre_mlp_layernorm.weight
@@ -48,6 +50,7 @@ from nemo_ckpt.models.gpt.model import GPTConfig
 
 NEMO_PREFIX = "module."
 QKV = "decoder.layers.self_attention.linear_qkv.weight"
+QKV_BIAS = "decoder.layers.self_attention.linear_qkv.bias"
 FC1 = "decoder.layers.mlp.linear_fc1.weight"
 # Megatron-Core key (without prefix) -> our per-layer key, for the stacked tensors that map one to one.
 _LAYER_KEYS = {
@@ -55,6 +58,10 @@ _LAYER_KEYS = {
     "decoder.layers.self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "decoder.layers.mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "decoder.layers.mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_QK_NORM_KEYS = {
+    "decoder.layers.self_attention.q_layernorm.weight": "self_attention.q_layernorm.weight",
+    "decoder.layers.self_attention.k_layernorm.weight": "self_attention.k_layernorm.weight",
 }
 _LOCAL_SPEC_NORMS = {
     "decoder.layers.input_layernorm.weight": "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
@@ -68,25 +75,31 @@ _GLOBAL_KEYS = {
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: GPTConfig) -> torch.Tensor:
-    """Megatron-Core's `linear_qkv` weight: q, k and v rows interleaved per query group."""
-    groups, head_dim = config.num_query_groups, config.head_dim
-    q = q.reshape(groups, -1, q.shape[-1])
-    k = k.reshape(groups, head_dim, k.shape[-1])
-    v = v.reshape(groups, head_dim, v.shape[-1])
-    return torch.cat([q, k, v], dim=1).reshape(-1, q.shape[-1])
+    """Megatron-Core's `linear_qkv` weight (or bias): q, k and v rows interleaved per query group."""
+    groups, head_dim, rest = config.num_query_groups, config.head_dim, q.shape[1:]
+    q = q.reshape(groups, -1, *rest)
+    k = k.reshape(groups, head_dim, *rest)
+    v = v.reshape(groups, head_dim, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
 def split_qkv(qkv: torch.Tensor, config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k and v weights of Megatron-Core's interleaved `linear_qkv` weight."""
-    groups, head_dim = config.num_query_groups, config.head_dim
+    """q, k and v weights (or biases) of Megatron-Core's interleaved `linear_qkv` weight (or bias)."""
+    groups, head_dim, rest = config.num_query_groups, config.head_dim, qkv.shape[1:]
     q_rows = config.num_attention_heads // groups * head_dim
-    grouped = qkv.reshape(groups, q_rows + 2 * head_dim, qkv.shape[-1])
+    grouped = qkv.reshape(groups, q_rows + 2 * head_dim, *rest)
     q, k, v = grouped.split([q_rows, head_dim, head_dim], dim=1)
-    return (
-        q.reshape(-1, qkv.shape[-1]).contiguous(),
-        k.reshape(-1, qkv.shape[-1]).contiguous(),
-        v.reshape(-1, qkv.shape[-1]).contiguous(),
-    )
+    return tuple(part.reshape(-1, *rest).contiguous() for part in (q, k, v))
+
+
+def _layer_keys(config: GPTConfig) -> dict[str, str]:
+    """Megatron-Core key -> our per-layer key, for the stacked tensors of `config` that map one to one."""
+    return _LAYER_KEYS | (_QK_NORM_KEYS if config.qk_layernorm else {})
+
+
+def _fused_qkv(read: Callable[[str], torch.Tensor], prefix: str, kind: str, config: GPTConfig) -> torch.Tensor:
+    parts = [read(f"{prefix}self_attention.{name}_proj.{kind}") for name in "qkv"]
+    return fuse_qkv(*parts, config)
 
 
 def to_megatron(read: Callable[[str], torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
@@ -97,17 +110,12 @@ def to_megatron(read: Callable[[str], torch.Tensor], config: GPTConfig) -> dict[
         return torch.stack([make(f"module.layers.{i}.") for i in layers])
 
     state = {
-        QKV: stack(
-            lambda p: fuse_qkv(
-                read(p + "self_attention.q_proj.weight"),
-                read(p + "self_attention.k_proj.weight"),
-                read(p + "self_attention.v_proj.weight"),
-                config,
-            )
-        ),
+        QKV: stack(lambda p: _fused_qkv(read, p, "weight", config)),
         FC1: stack(lambda p: torch.cat([read(p + "mlp.gate_proj.weight"), read(p + "mlp.up_proj.weight")])),
     }
-    for megatron_key, ours in _LAYER_KEYS.items():
+    if config.add_qkv_bias:
+        state[QKV_BIAS] = stack(lambda p: _fused_qkv(read, p, "bias", config))
+    for megatron_key, ours in _layer_keys(config).items():
         state[megatron_key] = stack(lambda p, ours=ours: read(p + ours))
     for megatron_key, ours in _GLOBAL_KEYS.items():
         if ours != "module.output_layer.weight" or not config.share_embeddings_and_output_weights:
@@ -118,7 +126,8 @@ def to_megatron(read: Callable[[str], torch.Tensor], config: GPTConfig) -> dict[
 def from_megatron(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Our GPT tensors from Megatron-Core's GPT state (keys without the `module.` prefix, layers stacked)."""
     state = {_LOCAL_SPEC_NORMS.get(key, key): value for key, value in state.items()}
-    expected = {QKV, FC1, *_LAYER_KEYS, *_GLOBAL_KEYS}
+    layer_keys = _layer_keys(config)
+    expected = {QKV, FC1, *layer_keys, *_GLOBAL_KEYS} | ({QKV_BIAS} if config.add_qkv_bias else set())
     if config.share_embeddings_and_output_weights:
         expected.discard("output_layer.weight")
         state.pop("output_layer.weight", None)
@@ -141,14 +150,14 @@ def from_megatron(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str
             ours[key] = state[megatron_key]
     for i in range(config.num_layers):
         prefix = f"module.layers.{i}."
-        q, k, v = split_qkv(state[QKV][i], config)
-        ours[prefix + "self_attention.q_proj.weight"] = q
-        ours[prefix + "self_attention.k_proj.weight"] = k
-        ours[prefix + "self_attention.v_proj.weight"] = v
+        for fused, kind in ((QKV, "weight"), (QKV_BIAS, "bias")):
+            if fused in state:
+                for name, part in zip("qkv", split_qkv(state[fused][i], config)):
+                    ours[f"{prefix}self_attention.{name}_proj.{kind}"] = part
         gate, up = state[FC1][i].chunk(2)
         ours[prefix + "mlp.gate_proj.weight"] = gate.contiguous()
         ours[prefix + "mlp.up_proj.weight"] = up.contiguous()
-        for megatron_key, key in _LAYER_KEYS.items():
+        for megatron_key, key in layer_keys.items():
             ours[prefix + key] = state[megatron_key][i]
     return ours
 
