@@ -184,10 +184,16 @@ def test_fallback_to_dcp_reader_gives_the_same_values(tmp_path, monkeypatch):
 
 
 def test_plain_dcp_load_reads_our_checkpoint(tmp_path):
+    """Plain DCP reads every tensor; a flattened range of an N-D tensor (a distributed optimizer's state) is stored
+    as Megatron-Core stores it, reformulated (one row per local shard, here the whole [8, 6] in one row of 48) with
+    its real shape in the metadata's `mcore_data`, which megatron-core's reader needs (and ours reads)."""
     _save(tmp_path, thread_count=3)
-    state = {"w": torch.zeros(8, 6), "half": torch.zeros(4, 10, dtype=torch.bfloat16), "flat": torch.zeros(8, 6)}
+    state = {"w": torch.zeros(8, 6), "half": torch.zeros(4, 10, dtype=torch.bfloat16), "flat": torch.zeros(1, 1, 48)}
     dcp.load(state, checkpoint_id=tmp_path, no_dist=True)
-    assert torch.equal(state["w"], FULL) and torch.equal(state["half"], HALF) and torch.equal(state["flat"], FULL)
+    assert torch.equal(state["w"], FULL) and torch.equal(state["half"], HALF)
+    assert torch.equal(state["flat"], FULL.view(1, 1, 48))
+    metadata = dcp.FileSystemReader(tmp_path).read_metadata()
+    assert metadata.mcore_data == {"flat": {"nd_reformulated_orig_global_shape": (8, 6)}}
 
 
 def _save_2_ranks(rank: int, world_size: int, directory: str) -> None:

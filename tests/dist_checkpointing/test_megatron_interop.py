@@ -14,6 +14,7 @@ importorskip_megatron_core("megatron.core.dist_checkpointing")
 from nemo_ckpt import dist_checkpointing as ours  # noqa: E402
 from nemo_ckpt.dist_checkpointing import cli  # noqa: E402
 from nemo_ckpt.dist_checkpointing.integrity import verify_checkpoint  # noqa: E402
+from nemo_ckpt.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
 FULL = torch.arange(8 * 6, dtype=torch.float32).view(8, 6)
@@ -78,7 +79,8 @@ def test_megatron_checkpoint_loads_here_at_any_world_size(tmp_path):
 def _ours_save(rank: int, ws: int, ckpt: str) -> None:
     state = _state(ours, rank, ws, template=False)
     state["rng"] = ours.ShardedObject("rng", {"rank": rank}, (ws,), (rank,))
-    # a distributed-optimizer flat shard: stored as plain boxes, so megatron-core reads it as a tensor
+    # a distributed-optimizer flat shard stored as plain boxes (not reformulated for megatron-core 0.15), so
+    # megatron-core 0.19 reads it as a tensor
     flat = FULL.flatten()
     bounds = [0, 5, 48] if ws == 2 else [0, 48]
     state["flat"] = ours.ShardedTensor.from_rank_offsets_flat(
@@ -88,7 +90,8 @@ def _ours_save(rank: int, ws: int, ckpt: str) -> None:
         flattened_range=slice(bounds[rank], bounds[rank + 1]),
     )
     state["iteration"] = 9
-    ours.save(state, ckpt, content_metadata={"by": "nemo_ckpt"})
+    strategy = TorchDistSaveShardedStrategy(reformulate_flattened=False)
+    ours.save(state, ckpt, strategy, content_metadata={"by": "nemo_ckpt"})
 
 
 def _megatron_load(rank: int, ws: int, ckpt: str, saved_ws: int) -> None:

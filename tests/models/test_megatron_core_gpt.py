@@ -6,19 +6,23 @@ biases, q/k norms, a head width of its own) and Llama 3.1's rope scaling. Skips 
 import contextlib
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from nemo_ckpt import dist_checkpointing
-from nemo_ckpt.api import export_ckpt
-from nemo_ckpt.checkpoint.context import save_context
+from nemo_ckpt.api import export_ckpt, import_ckpt
+from nemo_ckpt.checkpoint.context import load_model, save_context
 from nemo_ckpt.checkpoint.layout import weights_dir
 from nemo_ckpt.dist_checkpointing import ShardedTensor
 from nemo_ckpt.models import GPT, GPTConfig, GPTModel, gpt_config
 from tests.helpers.distributed import run_distributed
-from tests.helpers.megatron import import_megatron_on_cpu, importorskip_megatron_core
+from tests.helpers.megatron import import_megatron_on_cpu, importorskip_megatron_core, megatron_core_sites, torchrun
+from tests.models.megatron_core_gpt_worker import TOKENS
 
 importorskip_megatron_core("megatron.core.models.gpt")
+
+WORKER = Path(__file__).with_name("megatron_core_gpt_worker.py")
 
 CONFIG = gpt_config("tiny", num_attention_heads=4, num_query_groups=2, num_layers=2)
 QWEN_LIKE = gpt_config(
@@ -140,3 +144,22 @@ def test_megatron_core_gpt_model_gives_our_logits(tmp_path):
         with torch.no_grad():
             expected = model(tokens)
         torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("version", ["0.15.3", "0.19.2"])
+def test_megatron_core_loads_our_export_strictly_and_we_import_its_plain_checkpoints(version, tmp_path):
+    """Each installed megatron-core version's own `dist_checkpointing.load` (default strictness, which wants every
+    `_extra_state` its layers declare) takes our Megatron export; its plain checkpoint (keys without NeMo's
+    `module.` prefix) imports here; logits agree both ways."""
+    sites = megatron_core_sites()
+    if version not in sites:
+        pytest.skip(f"megatron-core {version} is not installed: run tests/install_megatron_core.sh")
+    model, _ = exported_state(CONFIG, tmp_path)
+    torchrun(1, WORKER, str(tmp_path / "mcore"), str(tmp_path / "plain"), site=sites[version])
+    with torch.no_grad():
+        expected = model(TOKENS)
+    torch.testing.assert_close(torch.load(tmp_path / "mcore" / "megatron_logits.pt"), expected, atol=1e-5, rtol=0)
+    imported = import_ckpt(f"megatron://{tmp_path / 'plain'}", str(tmp_path / "imported"), config=CONFIG)
+    with torch.no_grad():
+        ours = load_model(imported)(TOKENS)
+    torch.testing.assert_close(ours, torch.load(tmp_path / "plain" / "megatron_logits.pt"), atol=1e-5, rtol=0)

@@ -356,6 +356,9 @@ class FileSystemWriterAsync:
             storage_meta=StorageMeta(checkpoint_id=str(self.checkpoint_dir), save_id=save_id),
             version=CURRENT_DCP_VERSION,
         )
+        mcore_data = megatron_core_data(cache.all_items)
+        if mcore_data:  # an attribute of the pickled metadata, as megatron-core's own `MCoreMetadata` has
+            metadata.mcore_data = mcore_data
         document = pickle.dumps(metadata)
         tmp = self.checkpoint_dir / f"{DCP_METADATA_FNAME}.tmp"
         with open(tmp, "wb") as stream:
@@ -564,6 +567,25 @@ def _write_tensor_item(
     write_tensor(stream, tensor, crc32, alignment)
     length = stream.tell() - offset
     return WriteResult(index=item.index, size_in_bytes=length, storage_data=StorageInfo(name, offset, length))
+
+
+@dataclass(frozen=True)
+class ReformulatedWriteItem(WriteItem):
+    """A flattened-range shard of an N-D tensor stored in Megatron-Core <= 0.18's reformulated layout (see
+    `torch.py:reformulated_write`); `original_shape`: the tensor's real global shape, which the metadata's
+    `mcore_data` records, as megatron-core's reader requires."""
+
+    original_shape: tuple[int, ...] = ()
+
+
+def megatron_core_data(all_items: list[list[WriteItem]]) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Megatron-Core's `mcore_data` of the reformulated tensors among `all_items` (empty: none)."""
+    return {
+        item.index.fqn: {"nd_reformulated_orig_global_shape": item.original_shape}
+        for items in all_items
+        for item in items
+        if isinstance(item, ReformulatedWriteItem)
+    }
 
 
 def build_state_dict_metadata(all_items: list[list[WriteItem]]) -> dict:

@@ -1,10 +1,13 @@
 """The `torch_dist` backend: shards stored with torch.distributed.checkpoint (DCP).
 
 On disk (compatible with Megatron-Core): every ShardedTensor key is a DCP tensor with the
-real global shape, each saved shard one DCP chunk; a flat shard (`flattened_range`) is
-stored as the few rectangular boxes its flat range covers, so it reshards to any
-layout. Every ShardedObject is a DCP bytes item named by its `unique_key` holding
-`torch.save([obj])`.
+real global shape, each saved shard one DCP chunk. A flat shard (`flattened_range`) of an
+N-D tensor on a regular grid is stored as Megatron-Core <= 0.18 stores it (reformulated:
+one row per local shard, the real shape in the metadata's `mcore_data`), so megatron-core
+0.15 reads it; any other flat shard (and all with `reformulate_flattened=False`, for
+megatron-core 0.19 and plain DCP) as the few rectangular boxes its flat range covers.
+Both reshard to any layout. Every ShardedObject is a DCP bytes item named by its
+`unique_key` holding `torch.save([obj])`.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from ..safe_globals import DCPMetadataUnpickler, UnsafeCheckpointError, safe_tor
 from .async_utils import AsyncRequest
 from .base import LoadShardedStrategy, SaveShardedStrategy, load_device
 from .fast_reader import read_items
-from .filesystem_async import MetadataCache, StagingBuffers, save_request
+from .filesystem_async import MetadataCache, ReformulatedWriteItem, StagingBuffers, save_request
 
 DCP_METADATA_FNAME = ".metadata"
 COMMON_STATE_KEY = "common_state"
@@ -91,6 +94,31 @@ def sharded_tensor_chunks(sh_ten: ShardedTensor) -> list[_Chunk]:
     return chunks
 
 
+def is_reformulated_on_save(sh_ten: ShardedTensor) -> bool:
+    """Whether `sh_ten` is saved in Megatron-Core <= 0.18's reformulated layout: an N-D tensor's flattened range
+    (its distributed optimizer's `fully_sharded_model_space` state) on a regular grid, which megatron-core 0.15
+    reads only in that layout."""
+    return sh_ten.flattened_range is not None and len(sh_ten.global_shape) > 1 and sh_ten.has_regular_grid
+
+
+def reformulated_write(sh_ten: ShardedTensor) -> ReformulatedWriteItem:
+    """The write item of a flattened range in the reformulated layout: the tensor of shape `fragmentation +
+    (numel of a local shard,)` holds each local shard flattened in one row; this range is part of one row."""
+    fragmentation = tuple(sh_ten.axis_fragmentations)
+    rng = sh_ten.flattened_range
+    size = torch.Size(fragmentation + (math.prod(sh_ten.local_shape),))
+    offsets = torch.Size(sh_ten.local_chunk_offset_in_global() + (rng.start,))
+    sizes = torch.Size((1,) * len(fragmentation) + (rng.stop - rng.start,))
+    return ReformulatedWriteItem(
+        index=MetadataIndex(sh_ten.key, offsets),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets, sizes), properties=TensorProperties(dtype=sh_ten.dtype), size=size
+        ),
+        original_shape=tuple(sh_ten.global_shape),
+    )
+
+
 def _serialize_objects(objs: list[Any]) -> io.BytesIO:
     buf = io.BytesIO()
     torch.save(objs, buf)
@@ -99,9 +127,10 @@ def _serialize_objects(objs: list[Any]) -> io.BytesIO:
 
 
 def build_write_items(
-    sharded_state_dict: ShardedStateDict,
+    sharded_state_dict: ShardedStateDict, reformulate_flattened: bool = True
 ) -> tuple[list[WriteItem], dict[MetadataIndex, torch.Tensor | io.BytesIO]]:
-    """DCP write items (and their data) for the main replicas in `sharded_state_dict`."""
+    """DCP write items (and their data) for the main replicas in `sharded_state_dict`; flattened ranges of N-D
+    tensors reformulated as Megatron-Core <= 0.18 stores them unless not `reformulate_flattened`."""
     items: list[WriteItem] = []
     data: dict[MetadataIndex, torch.Tensor | io.BytesIO] = {}
     objects: dict[str, list[Any]] = defaultdict(list)
@@ -115,6 +144,11 @@ def build_write_items(
             raise CheckpointingException(f"Unexpected entity to save: {type(sh_base)}")
         if sh_base.data is None:
             raise CheckpointingException(f"`data` is None for {sh_base}; nothing to save")
+        if reformulate_flattened and is_reformulated_on_save(sh_base):
+            item = reformulated_write(sh_base)
+            items.append(item)
+            data[item.index] = sh_base.data.detach().contiguous().view(item.tensor_data.chunk.sizes)
+            continue
         chunks = sharded_tensor_chunks(sh_base)
         empty_tensor = math.prod(sh_base.global_shape) == 0
         for chunk in chunks:
@@ -167,6 +201,11 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
             current stream (the next forward and backward) instead of going before it; the caller must call
             `order_after_deferred_copies()` before anything changes a saved tensor (the optimizer step, a load).
             False (default): the save returns with the current stream ordered after the copies.
+        reformulate_flattened: store the flattened ranges of N-D tensors (a distributed optimizer's
+            `fully_sharded_model_space` state) as Megatron-Core <= 0.18 does, reformulated with the metadata's
+            `mcore_data`, which megatron-core 0.15 needs to load them into its flattened templates. False: as
+            rectangular boxes of the real shape, which megatron-core 0.19 and plain DCP read as whole tensors
+            (0.19 no longer reads the reformulated layout). This library reads both.
     """
 
     def __init__(
@@ -180,8 +219,10 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         checksums: bool = True,
         writer_process: bool = False,
         defer_device_copies: bool = False,
+        reformulate_flattened: bool = True,
     ) -> None:
         super().__init__(backend, version)
+        self.reformulate_flattened = reformulate_flattened
         self.checksums = checksums
         self.thread_count = thread_count
         self.cached_metadata = cached_metadata
@@ -195,7 +236,7 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         return True
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
-        items, data = build_write_items(sharded_state_dict)
+        items, data = build_write_items(sharded_state_dict, self.reformulate_flattened)
         save_request(
             items,
             data,
@@ -211,7 +252,7 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> AsyncRequest:
         """Copy this rank's main replicas to CPU now; the request writes them and finishes the checkpoint."""
-        items, data = build_write_items(sharded_state_dict)
+        items, data = build_write_items(sharded_state_dict, self.reformulate_flattened)
         return save_request(
             items,
             data,

@@ -18,9 +18,12 @@ homogeneous layers):
     decoder.final_layernorm.weight                   <- final_layernorm.weight
     output_layer.weight                              <- output_layer.weight (absent with tied embeddings)
 
-The local (non-Transformer-Engine) spec's `input_layernorm.weight` / `pre_mlp_layernorm.weight` names are read
-too. Both use the rotate-half rotary layout (`rotary_interleaved=False`), as we do. Checked against megatron-core
-0.19.2's own GPTModel (local spec, on CPU) when it is importable: `tests/models/test_megatron_core_gpt.py`.
+Exports also hold the `_extra_state` objects megatron-core's layers declare (None), so megatron-core's
+`dist_checkpointing.load` with its default strictness takes them; imports find the keys' prefix (NeMo 2.0's
+`module.`, or none in a plain megatron-core checkpoint). The local (non-Transformer-Engine) spec's
+`input_layernorm.weight` / `pre_mlp_layernorm.weight` names are read too. Both use the rotate-half rotary layout
+(`rotary_interleaved=False`), as we do. Checked against megatron-core 0.15.3 and 0.19.2 (their own GPTModel, local
+spec, on CPU, and their own `dist_checkpointing`) when installed: `tests/models/test_megatron_core_gpt.py`.
 Dense models only: a MoE config raises `UnsupportedModelError` before anything is written. The checkpoint's
 `context/hf` (its tokenizer, an import's config.json) goes with the weights both ways.
 """
@@ -33,7 +36,7 @@ import torch
 from nemo_ckpt import dist_checkpointing
 from nemo_ckpt.checkpoint.context import save_context
 from nemo_ckpt.checkpoint.layout import hf_artifacts_dir, weights_dir
-from nemo_ckpt.dist_checkpointing import ShardedTensor
+from nemo_ckpt.dist_checkpointing import ShardedObject, ShardedTensor
 from nemo_ckpt.models.gpt.convert.checkpoint_io import (
     ConversionOutput,
     checkpoint_gpt_config,
@@ -72,6 +75,14 @@ _GLOBAL_KEYS = {
     "decoder.final_layernorm.weight": "module.final_layernorm.weight",
     "output_layer.weight": "module.output_layer.weight",
 }
+_GLOBAL_KEYS_BY_OURS = {ours: megatron for megatron, ours in _GLOBAL_KEYS.items()}
+EXTRA_STATE_MODULES = (
+    "self_attention.linear_qkv",
+    "self_attention.core_attention",
+    "self_attention.linear_proj",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: GPTConfig) -> torch.Tensor:
@@ -169,29 +180,56 @@ def megatron_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     return {key: tuple(tensor.shape) for key, tensor in state.items()}
 
 
-def _save_weights(checkpoint: Path, tensors: dict[str, torch.Tensor]) -> None:
+def extra_states(prefix: str, config: GPTConfig) -> dict[str, ShardedObject]:
+    """The `_extra_state` entries megatron-core's GPT expects of each layer's linear layers (and, with Transformer
+    Engine, its core attention), as its `sharded_state_dict` declares them: one object per layer, None here (no FP8
+    metadata; both specs load None). Megatron-Core's default strictness refuses a checkpoint without them."""
+    return {
+        f"{prefix}decoder.layers.{layer}.{module}._extra_state": ShardedObject(
+            f"{prefix}decoder.layers.{module}._extra_state", None, (config.num_layers,), (layer,), replica_id=0
+        )
+        for layer in range(config.num_layers)
+        for module in EXTRA_STATE_MODULES
+    }
+
+
+def _save_weights(checkpoint: Path, tensors: dict[str, torch.Tensor], objects: dict[str, ShardedObject]) -> None:
     target = weights_dir(checkpoint)
     target.mkdir(parents=True)
     state = {key: ShardedTensor.from_rank_offsets(key, tensor, replica_id=0) for key, tensor in tensors.items()}
-    dist_checkpointing.save({"state_dict": state}, target)
+    dist_checkpointing.save({"state_dict": state | objects}, target)
+
+
+def detect_prefix(keys: list[str], source: Path) -> str:
+    """The prefix of the model's keys: NeMo 2.0's `module.`, or none (a plain megatron-core checkpoint)."""
+    anchor = _GLOBAL_KEYS_BY_OURS["module.embedding.weight"]
+    prefixes = [key.removesuffix(anchor) for key in keys if key.endswith(anchor) and not key.startswith("optimizer.")]
+    if len(prefixes) != 1:
+        raise ValueError(
+            f"{source} is not a Megatron-Core GPT checkpoint: {len(prefixes)} tensors end in {anchor!r} (one "
+            "expected, under NeMo 2.0's 'module.' prefix or none)"
+        )
+    return prefixes[0]
 
 
 def import_megatron(
-    source: str | Path, output: str | Path, config: GPTConfig, prefix: str = NEMO_PREFIX, overwrite: bool = False
+    source: str | Path, output: str | Path, config: GPTConfig, prefix: str | None = None, overwrite: bool = False
 ) -> Path:
     """Our checkpoint at `output` from the Megatron-Core / NeMo 2.0 GPT checkpoint `source` (its `weights/`
-    directory, or a `dist_checkpointing` directory itself) of a Llama model with `config`."""
+    directory, or a `dist_checkpointing` directory itself) of a Llama model with `config`. `prefix`: of the model's
+    keys (None: detected, NeMo 2.0's `module.` or none)."""
     source = Path(source)
     out = ConversionOutput(Path(output), overwrite)
     check_convertible(config, source, "import from Megatron-Core naming")
     weights = weights_dir(source) if weights_dir(source).is_dir() else source
     metadata = dist_checkpointing.load_tensors_metadata(weights)
+    prefix = detect_prefix(list(metadata), source) if prefix is None else prefix
     keys = [key for key in metadata if key.startswith(prefix) and not key.startswith("optimizer.")]
     state = dist_checkpointing.load({key: metadata[key] for key in keys}, weights, validate_access_integrity=False)
     ours = from_megatron({key.removeprefix(prefix): state[key] for key in keys}, config)
     tmp = out.start()
     try:
-        _save_weights(tmp, ours)
+        _save_weights(tmp, ours, {})
         save_context(tmp, model=GPTModel(config))
         copy_artifacts(*hf_artifact_sources(source), hf_artifacts_dir(tmp))
     except BaseException:
@@ -220,7 +258,7 @@ def export_megatron(
     state = to_megatron(read, config)
     tmp = out.start()
     try:
-        _save_weights(tmp, {prefix + key: tensor for key, tensor in state.items()})
+        _save_weights(tmp, {prefix + key: tensor for key, tensor in state.items()}, extra_states(prefix, config))
         save_context(tmp, model=GPTModel(config))
         copy_artifacts(*hf_artifact_sources(checkpoint, base=base), hf_artifacts_dir(tmp))
     except BaseException:
