@@ -1,12 +1,13 @@
-"""megatron-core's own GPTModel (local spec, on CPU) and its own `dist_checkpointing`, under torchrun with one
-megatron-core version on the path (`tests/helpers/megatron.py:torchrun`):
+"""megatron-core's own GPTModel (local spec, on CPU) built from a `GPTConfig`, and a torchrun entry point that runs it
+with megatron-core's own `dist_checkpointing` (one megatron-core version on the path,
+`tests/helpers/megatron.py:torchrun`):
 
-    worker.py LOAD_DIR SAVE_DIR
+    megatron_core_gpt_worker.py LOAD_DIR SAVE_DIR
 
 loads the checkpoint under LOAD_DIR/weights into the model's `sharded_state_dict(prefix="module.")` with
 megatron-core's default strictness and writes its logits on `TOKENS` to LOAD_DIR/megatron_logits.pt; then saves a
 fresh random model as a plain megatron-core checkpoint (`sharded_state_dict()`, no prefix) to SAVE_DIR/weights,
-with its logits in SAVE_DIR/megatron_logits.pt. The model's shape is `CONFIG` of test_megatron_core_gpt.py.
+with its logits in SAVE_DIR/megatron_logits.pt. The model's shape is `CONFIG`.
 """
 
 import contextlib
@@ -17,27 +18,33 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from nemo_ckpt.models import GPTConfig, gpt_config
 from tests.helpers.megatron import import_megatron_on_cpu
 
-LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, SEQ = 2, 64, 4, 2, 172, 256, 32
-TOKENS = torch.arange(32).remainder(VOCAB).view(2, 16)
+CONFIG = gpt_config("tiny", num_attention_heads=4, num_query_groups=2, num_layers=2)
+TOKENS = torch.arange(32).remainder(CONFIG.vocab_size).view(2, 16)
 
 
-def build_model():
+def build_model(ours: GPTConfig):
+    """megatron-core's GPTModel with the shape and options of `ours` (model-parallel state initialized)."""
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    # dropout is 0; its CUDA RNG tracker fork has no CPU counterpart
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
     config = TransformerConfig(
-        num_layers=LAYERS,
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
-        num_query_groups=GROUPS,
-        ffn_hidden_size=FFN,
+        num_layers=ours.num_layers,
+        hidden_size=ours.hidden_size,
+        num_attention_heads=ours.num_attention_heads,
+        num_query_groups=ours.num_query_groups,
+        kv_channels=ours.head_dim,
+        ffn_hidden_size=ours.ffn_hidden_size,
         normalization="RMSNorm",
-        layernorm_epsilon=1e-5,
+        layernorm_epsilon=ours.layernorm_epsilon,
+        add_qkv_bias=ours.add_qkv_bias,
+        qk_layernorm=ours.qk_layernorm,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -50,17 +57,23 @@ def build_model():
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
     )
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     return GPTModel(
-        config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope", rotary_base=10000.0
+        config,
+        get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=ours.qk_layernorm),
+        vocab_size=ours.vocab_size,
+        max_sequence_length=ours.seq_length,
+        position_embedding_type="rope",
+        rotary_base=ours.rotary_base,
+        rope_scaling=ours.rope_scaling,
+        share_embeddings_and_output_weights=False,
     ).eval()
 
 
-def logits(model) -> torch.Tensor:
-    seq = TOKENS.shape[1]
-    causal = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
+def logits(model, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
+    seq = tokens.shape[1]
+    causal = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)  # True: masked
     with torch.no_grad():
-        return model(TOKENS, torch.arange(seq).expand_as(TOKENS), causal)
+        return model(tokens, torch.arange(seq).expand_as(tokens), causal)
 
 
 def main(load_dir: Path, save_dir: Path) -> None:
@@ -69,12 +82,12 @@ def main(load_dir: Path, save_dir: Path) -> None:
     from megatron.core import dist_checkpointing, parallel_state
 
     parallel_state.initialize_model_parallel()
-    model = build_model()
+    model = build_model(CONFIG)
     state = dist_checkpointing.load(model.sharded_state_dict(prefix="module."), str(load_dir / "weights"))
     model.load_state_dict({key.removeprefix("module."): value for key, value in state.items()})
     torch.save(logits(model), load_dir / "megatron_logits.pt")
     torch.manual_seed(1)
-    fresh = build_model()
+    fresh = build_model(CONFIG)
     with torch.no_grad():
         for param in fresh.parameters():
             param.normal_(std=0.05)

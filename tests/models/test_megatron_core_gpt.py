@@ -3,33 +3,28 @@
 biases, q/k norms, a head width of its own) and Llama 3.1's rope scaling. Skips when megatron-core is not importable
 (`tests/install_megatron_core.sh`)."""
 
-import contextlib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from nemo_ckpt import dist_checkpointing
 from nemo_ckpt.api import export_ckpt, import_ckpt
 from nemo_ckpt.checkpoint.context import load_model, save_context
 from nemo_ckpt.checkpoint.layout import weights_dir
 from nemo_ckpt.dist_checkpointing import ShardedTensor
-from nemo_ckpt.models import GPT, GPTConfig, GPTModel, gpt_config
+from nemo_ckpt.models import GPT, GPTConfig, GPTModel
 from tests.helpers.distributed import run_distributed
 from tests.helpers.megatron import import_megatron_on_cpu, importorskip_megatron_core, megatron_core_sites, torchrun
-from tests.models.megatron_core_gpt_worker import TOKENS
+from tests.models.megatron_core_gpt_worker import CONFIG, TOKENS, build_model, logits
 
 importorskip_megatron_core("megatron.core.models.gpt")
 
 WORKER = Path(__file__).with_name("megatron_core_gpt_worker.py")
 
-CONFIG = gpt_config("tiny", num_attention_heads=4, num_query_groups=2, num_layers=2)
-QWEN_LIKE = gpt_config(
-    "tiny",
-    num_attention_heads=4,
-    num_query_groups=2,
-    num_layers=2,
+QWEN_LIKE = replace(
+    CONFIG,
     kv_channels=32,
     add_qkv_bias=True,
     qk_layernorm=True,
@@ -48,58 +43,13 @@ def megatron_logits(
     """Logits of megatron-core's GPTModel for each (config, state) of `cases` (one process, tensor/pipeline
     parallel size 1)."""
     import_megatron_on_cpu("megatron.core")
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel()
-    # dropout is 0; its CUDA RNG tracker fork has no CPU counterpart
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
-    return [_megatron_logits(config, state, tokens) for config, state in cases]
-
-
-def _megatron_logits(ours: GPTConfig, state: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
-    from megatron.core.models.gpt import GPTModel as MegatronGPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    config = TransformerConfig(
-        num_layers=ours.num_layers,
-        hidden_size=ours.hidden_size,
-        num_attention_heads=ours.num_attention_heads,
-        num_query_groups=ours.num_query_groups,
-        kv_channels=ours.head_dim,
-        ffn_hidden_size=ours.ffn_hidden_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=ours.layernorm_epsilon,
-        add_qkv_bias=ours.add_qkv_bias,
-        qk_layernorm=ours.qk_layernorm,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        use_cpu_initialization=True,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-    )
-    model = MegatronGPTModel(
-        config,
-        get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=ours.qk_layernorm),
-        vocab_size=ours.vocab_size,
-        max_sequence_length=ours.seq_length,
-        position_embedding_type="rope",
-        rotary_base=ours.rotary_base,
-        rope_scaling=ours.rope_scaling,
-        share_embeddings_and_output_weights=False,
-    )
-    model.load_state_dict(state, strict=True)
-    model.eval()
-    seq = tokens.shape[1]
-    causal = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)  # True: masked
-    with torch.no_grad():
-        return model(tokens, torch.arange(seq).expand_as(tokens), causal)
+    models = [build_model(config) for config, _ in cases]
+    for model, (_, state) in zip(models, cases):
+        model.load_state_dict(state, strict=True)
+    return [logits(model, tokens) for model in models]
 
 
 def per_layer_local_spec(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -140,10 +90,10 @@ def test_megatron_core_gpt_model_gives_our_logits(tmp_path):
     models, states = zip(*(exported_state(config, tmp_path / str(i)) for i, config in enumerate(configs)))
     tokens = torch.randint(CONFIG.vocab_size, (2, 16))
     all_logits = run_distributed(megatron_logits, 1, list(zip(configs, states)), tokens)[0]
-    for model, logits in zip(models, all_logits):
+    for model, theirs in zip(models, all_logits):
         with torch.no_grad():
             expected = model(tokens)
-        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(theirs, expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("version", ["0.15.3", "0.19.2"])
