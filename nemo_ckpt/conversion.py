@@ -1,9 +1,9 @@
 """`import_ckpt` / `export_ckpt`, NeMo's names for checkpoint conversion (`llm.import_ckpt`, `llm.export_ckpt`).
 
 Sources and targets: `hf` (a local Hugging Face directory of LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM or Qwen3ForCausalLM) and `megatron` (Megatron-Core / NeMo 2.0 GPT naming). A source is
-`hf:///abs/path` or `megatron:///abs/path`. Both print what they wrote: the output, the model's
-shape and parameter count, its files and bytes.
+Qwen2ForCausalLM, Qwen3ForCausalLM or MixtralForCausalLM) and `megatron` (Megatron-Core / NeMo 2.0 GPT naming).
+A source is `hf:///abs/path` or `megatron:///abs/path`. Both print what they wrote: the output, the model's shape
+and parameter count, its files and bytes.
 """
 
 from pathlib import Path
@@ -49,8 +49,8 @@ def import_ckpt(
     """Convert `source` (`hf:///dir` or `megatron:///checkpoint`) into our checkpoint at `output_path`.
 
     Hugging Face families: LlamaForCausalLM (Llama 2, 3, 3.1+ with llama3 rope scaling), MistralForCausalLM (no
-    sliding window shorter than the sequence), Qwen2ForCausalLM and Qwen3ForCausalLM; any other architecture (and
-    MoE models such as MixtralForCausalLM, not yet) is refused, naming it.
+    sliding window shorter than the sequence), Qwen2ForCausalLM, Qwen3ForCausalLM and MixtralForCausalLM; any
+    other architecture is refused, naming it.
 
     `config`: the GPT's shape, needed for `megatron` sources (their tensors do not tell the number of heads);
     `hf` sources take it from `config.json`.
@@ -78,8 +78,9 @@ def export_ckpt(
 ) -> Path:
     """Write our checkpoint `path` as `target` (`hf` or `megatron`) to `output_path`.
 
-    Hugging Face families: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM (an import keeps
-    its own; a model trained here is written as Qwen3 with q/k norms, Qwen2 with q/k/v biases, else Llama).
+    Hugging Face families: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+    MixtralForCausalLM (an import keeps its own; a model trained here is written as Mixtral with experts, Qwen3
+    with q/k norms, Qwen2 with q/k/v biases, else Llama).
 
     An adapter (LoRA) checkpoint is merged into its base on the way. The Hugging Face export carries the tokenizer
     `path` stores (every checkpoint saved in training stores its data's; an adapter checkpoint's base serves if it
@@ -87,8 +88,8 @@ def export_ckpt(
     `float32`, ...): of the Hugging Face weights; default: the imported model's, else the checkpoint's.
     `artifacts_from`: an imported checkpoint whose Hugging Face `config.json` (and tokenizer, where `path` stores
     none) go with the weights; a full fine-tune of an imported model may name the import here to keep its config.
-    A model the converter cannot handle (MoE) raises `UnsupportedModelError`, naming why, before anything is
-    written.
+    A model the converter cannot handle (an MoE model Mixtral cannot express) raises `UnsupportedModelError`,
+    naming why, before anything is written.
     """
     if target not in FORMATS:
         raise ValueError(f"export_ckpt(target={target!r}): use one of {FORMATS}")

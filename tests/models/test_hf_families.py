@@ -1,6 +1,7 @@
 """Hugging Face families beyond Llama 2/3: Llama 3.1 rope scaling, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k
-norms, explicit head_dim). Each: logits equal to transformers' on a tiny random model made here, a bit-exact
-export that transformers loads, and a checkpoint trained under FSDP2 and TP=2 that exports to logits equal to ours."""
+norms, explicit head_dim), Mixtral (MoE). Each: logits equal to transformers' on a tiny random model made here, a
+bit-exact export that transformers loads, and a checkpoint trained under FSDP2 and TP=2 (Mixtral also with its
+experts split over 2 ranks) that exports to logits equal to ours."""
 
 from pathlib import Path
 
@@ -33,6 +34,11 @@ FAMILIES = {
     ),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"num_key_value_heads": 2}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16, "tie_word_embeddings": True}),
+    "mixtral": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    ),
 }
 
 
@@ -102,17 +108,19 @@ def test_other_architectures_are_refused_naming_the_supported_ones(tmp_path):
         import_hf(source, tmp_path / "out")
 
 
-TRAINED = {  # each family's options in a tiny GPT trained under FSDP2 and TP=2
+TRAINED = {  # each family's options in a tiny GPT trained under FSDP2 and TP=2 (and EP=2 for MoE)
     "qwen2-llama31-rope": {
         "add_qkv_bias": True,
         "rope_scaling": True,
         "rope_original_max_position_embeddings": 16,
     },
     "qwen3": {"qk_layernorm": True, "kv_channels": 32},
+    "mixtral": {"num_moe_experts": 4, "moe_ffn_hidden_size": 64, "moe_router_topk": 2},
 }
 LAYOUTS = {
     "fsdp2": {"ddp": {"data_parallel_sharding_strategy": "optim_grads_params"}},
     "tp2": {"ddp": {}, "tensor_model_parallel_size": 2},
+    "ep2": {"ddp": {}, "expert_model_parallel_size": 2},
 }
 
 
@@ -124,6 +132,7 @@ def test_checkpoints_trained_under_fsdp2_and_tp_export_to_transformers(tmp_path)
         f"{name}-{layout}": {**options, "model_overrides": TRAINED[name]}
         for name in TRAINED
         for layout, options in LAYOUTS.items()
+        if layout != "ep2" or "num_moe_experts" in TRAINED[name]
     }
     run_distributed(train_and_save, 2, runs, tmp_path)
     tokens = torch.randint(256, (2, 32))

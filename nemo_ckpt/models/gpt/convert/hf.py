@@ -3,7 +3,9 @@
 Families (`FAMILIES`): `LlamaForCausalLM` (Llama 2, 3, and 3.1+ with `rope_type: "llama3"` scaling),
 `MistralForCausalLM` (no sliding window, or one at least as long as the sequence), `Qwen2ForCausalLM` (q/k/v
 biases: `GPTConfig.add_qkv_bias`) and `Qwen3ForCausalLM` (per-head q/k RMSNorm: `qk_layernorm`, explicit
-`head_dim`: `kv_channels`). Any other architecture is refused, naming it and the supported ones.
+`head_dim`: `kv_channels`) and `MixtralForCausalLM` (our MoE layers: router `block_sparse_moe.gate`, experts
+`w1`/`w3`/`w2` = gate/up/down; softmax over the top-k logits is Mixtral's renormalized top-k). Any other
+architecture is refused, naming it and the supported ones.
 
 `import_hf` turns a local Hugging Face directory (`config.json` + `*.safetensors`, sharded or not) into a checkpoint
 of ours: `weights/` (a `dist_checkpointing` checkpoint under the keys training uses, e.g.
@@ -12,7 +14,8 @@ from `config.json`) and `context/hf/` (the source's config, generation config an
 `export_hf` writes a checkpoint of any layout (single process, FSDP2, TP: keys and tensors are layout-independent)
 back to a directory `transformers.AutoModelForCausalLM` and `AutoTokenizer` load: the weights, `config.json`,
 `generation_config.json` and the tokenizer the checkpoint stores (`checkpoint/hf_tokenizer.py`), its bos/eos/pad ids
-in both configs. A model the converter cannot write (MoE) raises `UnsupportedModelError` before anything is written.
+in both configs. A model the converter cannot write (an MoE model Mixtral cannot express) raises
+`UnsupportedModelError` before anything is written.
 
 Both stream: the import memory-maps the source files, the export reads and writes one tensor at a time. Both
 write to a temporary name beside the output and rename it at the end, so an output is whole or absent.
@@ -57,6 +60,7 @@ from nemo_ckpt.models.gpt.convert.safetensors_io import (
 )
 from nemo_ckpt.models.gpt.lightning import GPTModel
 from nemo_ckpt.models.gpt.model import GPT, GPTConfig, padded_vocab_size
+from nemo_ckpt.models.gpt.moe import moe_layer_pattern
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +73,13 @@ VOCAB_KEYS = ("module.embedding.weight", "module.output_layer.weight")
 IGNORED_HF_KEYS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 HF_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
 POSITIVE_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-OPTIONAL_POSITIVE_INTS = ("num_key_value_heads", "max_position_embeddings", "head_dim")
+OPTIONAL_POSITIVE_INTS = (
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "head_dim",
+    "num_local_experts",
+    "num_experts_per_tok",
+)
 POSITIVE_NUMBERS = ("rope_theta", "rms_norm_eps", "initializer_range")
 
 
@@ -81,6 +91,7 @@ class Family:
     model_type: str
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
+    moe: bool = False
 
 
 FAMILIES = {
@@ -90,6 +101,7 @@ FAMILIES = {
         Family("MistralForCausalLM", "mistral"),
         Family("Qwen2ForCausalLM", "qwen2", add_qkv_bias=True),
         Family("Qwen3ForCausalLM", "qwen3", qk_layernorm=True),
+        Family("MixtralForCausalLM", "mixtral", moe=True),
     )
 }
 SUPPORTED_ARCHITECTURES = [family.architecture for family in FAMILIES.values()]
@@ -102,10 +114,13 @@ _LAYER_KEYS = (
     ("self_attention.v_proj.weight", "self_attn.v_proj.weight"),
     ("self_attention.o_proj.weight", "self_attn.o_proj.weight"),
     ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+)
+_DENSE_MLP_KEYS = (
     ("mlp.gate_proj.weight", "mlp.gate_proj.weight"),
     ("mlp.up_proj.weight", "mlp.up_proj.weight"),
     ("mlp.down_proj.weight", "mlp.down_proj.weight"),
 )
+_MIXTRAL_EXPERT_NAMES = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
 _QKV_BIAS_KEYS = tuple((f"self_attention.{p}_proj.bias", f"self_attn.{p}_proj.bias") for p in "qkv")
 _QK_NORM_KEYS = (
     ("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
@@ -124,10 +139,21 @@ def hf_key_map(config: GPTConfig) -> dict[str, str]:
     if config.share_embeddings_and_output_weights:
         del keys["module.output_layer.weight"]
     layer_keys = _LAYER_KEYS + _QKV_BIAS_KEYS * config.add_qkv_bias + _QK_NORM_KEYS * config.qk_layernorm
-    for layer in range(config.num_layers):
-        for ours, hf in layer_keys:
+    for layer, is_moe in enumerate(moe_layer_pattern(config)):
+        mlp_keys = _moe_keys(config.num_moe_experts) if is_moe else _DENSE_MLP_KEYS
+        for ours, hf in layer_keys + mlp_keys:
             keys[f"module.layers.{layer}.{ours}"] = f"model.layers.{layer}.{hf}"
     return keys
+
+
+def _moe_keys(num_experts: int) -> tuple[tuple[str, str], ...]:
+    """(ours, Mixtral's) keys of an MoE layer's router and experts."""
+    experts = tuple(
+        (f"mlp.experts.{expert}.{ours}.weight", f"block_sparse_moe.experts.{expert}.{theirs}.weight")
+        for expert in range(num_experts)
+        for ours, theirs in _MIXTRAL_EXPERT_NAMES
+    )
+    return (("mlp.router.weight", "block_sparse_moe.gate.weight"), *experts)
 
 
 def gpt_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
@@ -215,6 +241,14 @@ def gpt_config_from_hf(hf: dict[str, Any], path: Path, make_vocab_size_divisible
             raise ValueError(f"{path}: {key}={value!r} is not supported (our GPT has {key}={supported!r})")
     _check_attention_window(hf, family, path)
     head_dim = hf.get("head_dim")
+    moe = {}
+    if family.moe:
+        moe = {
+            "num_moe_experts": hf.get("num_local_experts", 8),
+            "moe_router_topk": hf.get("num_experts_per_tok", 2),
+            "moe_ffn_hidden_size": hf["intermediate_size"],
+            "moe_aux_loss_coeff": hf.get("router_aux_loss_coef", 0.0),
+        }
     return GPTConfig(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
@@ -230,6 +264,7 @@ def gpt_config_from_hf(hf: dict[str, Any], path: Path, make_vocab_size_divisible
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         init_method_std=hf.get("initializer_range", 0.02),
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+        **moe,
     )
 
 
@@ -286,7 +321,15 @@ def hf_config_from_gpt(config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
             "add_qkv_bias=True with qk_layernorm=True: no Hugging Face family has both (Qwen2 has the biases, Qwen3 "
             "the norms)"
         )
-    family = FAMILIES["qwen3" if config.qk_layernorm else "qwen2" if config.add_qkv_bias else "llama"]
+    family = FAMILIES[
+        "mixtral"
+        if config.num_moe_experts
+        else "qwen3"
+        if config.qk_layernorm
+        else "qwen2"
+        if config.add_qkv_bias
+        else "llama"
+    ]
     rope = {"rope_type": "default", "rope_theta": config.rotary_base}
     if config.rope_scaling:
         rope = {"rope_type": "llama3", "rope_theta": config.rotary_base}
@@ -311,6 +354,18 @@ def hf_config_from_gpt(config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
         "initializer_range": config.init_method_std,
         "tie_word_embeddings": config.share_embeddings_and_output_weights,
         "dtype": str(dtype).removeprefix("torch."),
+    } | _mixtral_fields(config)
+
+
+def _mixtral_fields(config: GPTConfig) -> dict[str, Any]:
+    if not config.num_moe_experts:
+        return {}
+    return {
+        "num_local_experts": config.num_moe_experts,
+        "num_experts_per_tok": config.moe_router_topk,
+        "intermediate_size": config.moe_ffn_hidden_size or config.ffn_hidden_size,
+        "router_aux_loss_coef": config.moe_aux_loss_coeff,
+        "sliding_window": None,
     }
 
 
@@ -319,11 +374,27 @@ class UnsupportedModelError(ValueError):
 
 
 def unsupported_features(config: GPTConfig, conversion: str) -> list[str]:
-    """What of a GPT with `config` the `conversion` (e.g. "export to Hugging Face") cannot handle."""
-    features = []
-    if config.num_moe_experts:
-        features.append(f"num_moe_experts={config.num_moe_experts}: MoE models do not {conversion} yet")
-    return features
+    """What of a GPT with `config` the `conversion` (e.g. "export to Hugging Face") cannot handle: MoE models
+    convert to Hugging Face as Mixtral (every layer MoE, softmax routing over the top-k logits, dropless, no
+    shared expert, no biases or q/k norms), not yet to Megatron-Core naming."""
+    if not config.num_moe_experts:
+        return []
+    if "Hugging Face" not in conversion:
+        return [f"num_moe_experts={config.num_moe_experts}: MoE models do not {conversion} yet"]
+    mixtral = {
+        "moe_layer_freq": (1 if all(moe_layer_pattern(config)) else config.moe_layer_freq, 1),
+        "moe_router_score_function": (config.moe_router_score_function, "softmax"),
+        "moe_router_pre_softmax": (config.moe_router_pre_softmax, False),
+        "moe_expert_capacity_factor": (config.moe_expert_capacity_factor, None),
+        "moe_shared_expert_intermediate_size": (config.moe_shared_expert_intermediate_size, None),
+        "add_qkv_bias": (config.add_qkv_bias, False),
+        "qk_layernorm": (config.qk_layernorm, False),
+    }
+    return [
+        f"{name}={value!r} (Mixtral, the Hugging Face MoE family, has {name}={expected!r})"
+        for name, (value, expected) in mixtral.items()
+        if value != expected
+    ]
 
 
 def check_convertible(config: GPTConfig, checkpoint: Path, conversion: str) -> None:
