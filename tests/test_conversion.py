@@ -74,22 +74,24 @@ def test_help_names_the_supported_families(tmp_path, command):
 
 
 def test_moe_models_are_refused_by_name_before_anything_is_written(tmp_path):
-    """Hugging Face takes MoE models Mixtral can express (tests/models/test_hf_families.py); others are refused,
-    naming the option; Megatron-Core naming takes none yet."""
-    save_model(tmp_path / "moe", GPTModel(gpt_config("tiny_moe", moe_shared_expert_intermediate_size=64)))
+    """Hugging Face takes MoE models Mixtral can express (tests/models/test_hf_families.py), Megatron-Core naming
+    all-MoE models (tests/models/test_megatron_naming.py); others are refused, naming the option."""
+    mixed = gpt_config("tiny_moe", moe_shared_expert_intermediate_size=64, moe_layer_freq=2)  # layer 1 dense
+    save_model(tmp_path / "moe", GPTModel(mixed))
     refusals = {
-        "hf": "cannot export to Hugging Face: moe_shared_expert_intermediate_size=64 (Mixtral, the Hugging Face "
-        "MoE family, has moe_shared_expert_intermediate_size=None)",
-        "megatron": "cannot export to Megatron-Core naming: num_moe_experts=4: MoE models do not export to "
-        "Megatron-Core naming yet",
+        "hf": "cannot export to Hugging Face: moe_layer_freq=2 (Mixtral, the Hugging Face MoE family, has "
+        "moe_layer_freq=1); moe_shared_expert_intermediate_size=64 (Mixtral, the Hugging Face MoE family, has "
+        "moe_shared_expert_intermediate_size=None)",
+        "megatron": "cannot export to Megatron-Core naming: moe_layer_freq=2: dense and MoE layers mixed do not "
+        "export to Megatron-Core naming yet",
     }
     for target, message in refusals.items():
         with pytest.raises(UnsupportedModelError, match=re.escape(message)):
             export_ckpt(str(tmp_path / "moe"), str(tmp_path / target), target=target)
     save_model(tmp_path / "dense", GPTModel(gpt_config("tiny")))
     exported = export_ckpt(str(tmp_path / "dense"), str(tmp_path / "mcore"), target="megatron")
-    with pytest.raises(UnsupportedModelError, match="MoE models do not import from Megatron-Core naming yet"):
-        import_ckpt(f"megatron://{exported}", str(tmp_path / "back"), config=gpt_config("tiny_moe"))
+    with pytest.raises(UnsupportedModelError, match="dense and MoE layers mixed do not import from Megatron-Core"):
+        import_ckpt(f"megatron://{exported}", str(tmp_path / "back"), config=mixed)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["dense", "mcore", "moe"]
 
 

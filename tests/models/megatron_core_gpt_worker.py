@@ -56,10 +56,17 @@ def build_model(ours: GPTConfig):
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        **moe_options(ours),
+    )
+    spec = get_gpt_layer_local_spec(
+        num_experts=ours.num_moe_experts,
+        moe_grouped_gemm=False,
+        normalization="RMSNorm",
+        qk_layernorm=ours.qk_layernorm,
     )
     return GPTModel(
         config,
-        get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=ours.qk_layernorm),
+        spec,
         vocab_size=ours.vocab_size,
         max_sequence_length=ours.seq_length,
         position_embedding_type="rope",
@@ -67,6 +74,18 @@ def build_model(ours: GPTConfig):
         rope_scaling=ours.rope_scaling,
         share_embeddings_and_output_weights=False,
     ).eval()
+
+
+def moe_options(ours: GPTConfig) -> dict:
+    """megatron-core's MoE options for `ours` (none for a dense model): the all-gather dispatcher runs on CPU."""
+    if not ours.num_moe_experts:
+        return {}
+    return {
+        "num_moe_experts": ours.num_moe_experts,
+        "moe_router_topk": ours.moe_router_topk,
+        "moe_ffn_hidden_size": ours.moe_ffn_hidden_size or ours.ffn_hidden_size,
+        "moe_token_dispatcher_type": "allgather",
+    }
 
 
 def logits(model, tokens: torch.Tensor = TOKENS) -> torch.Tensor:

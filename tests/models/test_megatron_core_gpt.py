@@ -1,7 +1,7 @@
 """megatron-core's own GPTModel (0.19.2, built on CPU with its local layer spec) loads the state our
-`export_ckpt(target="megatron")` writes and gives our logits: a Llama model, and one with Qwen's options (q/k/v
-biases, q/k norms, a head width of its own) and Llama 3.1's rope scaling. Skips when megatron-core is not importable
-(`tests/install_megatron_core.sh`)."""
+`export_ckpt(target="megatron")` writes and gives our logits: a Llama model, one with Qwen's options (q/k/v
+biases, q/k norms, a head width of its own) and Llama 3.1's rope scaling, and an MoE model (router, experts).
+Skips when megatron-core is not importable (`tests/install_megatron_core.sh`)."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +30,7 @@ QWEN_LIKE = replace(
     qk_layernorm=True,
     rope_scaling=True,  # megatron-core's fixed factors: 8, 1, 4, 8192 (GPTConfig's defaults)
 )
+MOE = replace(CONFIG, num_moe_experts=4, moe_ffn_hidden_size=64, moe_router_topk=2)
 # the local spec keeps the norms as modules of their own instead of inside the fused linears
 LOCAL_SPEC_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -62,7 +63,12 @@ def per_layer_local_spec(stored: dict[str, torch.Tensor]) -> dict[str, torch.Ten
             continue
         name = key.removeprefix("decoder.layers.")
         for layer, layer_tensor in enumerate(tensor):
-            state[f"decoder.layers.{layer}.{LOCAL_SPEC_NAMES.get(name, name)}"] = layer_tensor
+            if name.startswith("mlp.experts.experts."):  # experts stacked too: SequentialMLP's local_experts
+                module = name.removeprefix("mlp.experts.experts.")
+                for expert, expert_tensor in enumerate(layer_tensor):
+                    state[f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.{module}"] = expert_tensor
+            else:
+                state[f"decoder.layers.{layer}.{LOCAL_SPEC_NAMES.get(name, name)}"] = layer_tensor
     return state
 
 
@@ -86,7 +92,7 @@ def exported_state(config: GPTConfig, directory: Path) -> tuple[GPT, dict[str, t
 
 
 def test_megatron_core_gpt_model_gives_our_logits(tmp_path):
-    configs = [CONFIG, QWEN_LIKE]
+    configs = [CONFIG, QWEN_LIKE, MOE]
     models, states = zip(*(exported_state(config, tmp_path / str(i)) for i, config in enumerate(configs)))
     tokens = torch.randint(CONFIG.vocab_size, (2, 16))
     all_logits = run_distributed(megatron_logits, 1, list(zip(configs, states)), tokens)[0]

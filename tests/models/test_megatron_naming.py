@@ -56,6 +56,22 @@ def test_qwen_options_round_trip_bit_exact():
         assert torch.equal(back[key], ours[key]), key
 
 
+@pytest.mark.parametrize("shared", [None, 32])
+def test_moe_round_trip_is_bit_exact_with_experts_stacked(shared):
+    config = gpt_config("tiny_moe", moe_shared_expert_intermediate_size=shared)
+    ours = our_state(config)
+    megatron = to_megatron(ours.__getitem__, config)
+    assert megatron["decoder.layers.mlp.router.weight"].shape == (2, 4, 64)
+    assert megatron["decoder.layers.mlp.experts.experts.linear_fc1.weight"].shape == (2, 4, 2 * 64, 64)
+    assert megatron["decoder.layers.mlp.experts.experts.linear_fc2.weight"].shape == (2, 4, 64, 64)
+    assert "decoder.layers.pre_mlp_layernorm.weight" in megatron and FC1 not in megatron
+    assert ("decoder.layers.mlp.shared_experts.linear_fc1.weight" in megatron) == bool(shared)
+    back = from_megatron(megatron, config)
+    assert back.keys() == ours.keys()
+    for key in ours:
+        assert torch.equal(back[key], ours[key]), key
+
+
 def test_fused_qkv_follows_megatron_query_group_split():
     ours = our_state()
     qkv = to_megatron(ours.__getitem__, CONFIG)[QKV][1]

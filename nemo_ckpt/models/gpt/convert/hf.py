@@ -376,11 +376,16 @@ class UnsupportedModelError(ValueError):
 def unsupported_features(config: GPTConfig, conversion: str) -> list[str]:
     """What of a GPT with `config` the `conversion` (e.g. "export to Hugging Face") cannot handle: MoE models
     convert to Hugging Face as Mixtral (every layer MoE, softmax routing over the top-k logits, dropless, no
-    shared expert, no biases or q/k norms), not yet to Megatron-Core naming."""
+    shared expert, no biases or q/k norms), and to Megatron-Core naming when every layer is MoE."""
     if not config.num_moe_experts:
         return []
     if "Hugging Face" not in conversion:
-        return [f"num_moe_experts={config.num_moe_experts}: MoE models do not {conversion} yet"]
+        if all(moe_layer_pattern(config)):
+            return []
+        return [
+            f"moe_layer_freq={config.moe_layer_freq!r}: dense and MoE layers mixed do not {conversion} yet (all-MoE "
+            "and all-dense models do)"
+        ]
     mixtral = {
         "moe_layer_freq": (1 if all(moe_layer_pattern(config)) else config.moe_layer_freq, 1),
         "moe_router_score_function": (config.moe_router_score_function, "softmax"),

@@ -15,6 +15,12 @@ homogeneous layers):
     decoder.layers.mlp.linear_fc1.weight             <- [gate_proj; up_proj] (SwiGLU: silu(first half) * second)
     decoder.layers.mlp.linear_fc1.layer_norm_weight  <- pre_mlp_layernorm.weight
     decoder.layers.mlp.linear_fc2.weight             <- down_proj
+    MoE layers (all layers MoE, Megatron-Core's expert naming, experts stacked after the layers):
+    decoder.layers.pre_mlp_layernorm.weight          <- pre_mlp_layernorm.weight (not fused into an MoE layer)
+    decoder.layers.mlp.router.weight                 <- mlp.router.weight
+    decoder.layers.mlp.experts.experts.linear_fc1.weight  <- [experts.{e}.gate_proj; up_proj], [layers, experts, ...]
+    decoder.layers.mlp.experts.experts.linear_fc2.weight  <- experts.{e}.down_proj
+    decoder.layers.mlp.shared_experts.linear_fc1/2.weight <- the shared expert, like a dense MLP
     decoder.final_layernorm.weight                   <- final_layernorm.weight
     output_layer.weight                              <- output_layer.weight (absent with tied embeddings)
 
@@ -24,7 +30,7 @@ Exports also hold the `_extra_state` objects megatron-core's layers declare (Non
 `input_layernorm.weight` / `pre_mlp_layernorm.weight` names are read too. Both use the rotate-half rotary layout
 (`rotary_interleaved=False`), as we do. Checked against megatron-core 0.15.3 and 0.19.2 (their own GPTModel, local
 spec, on CPU, and their own `dist_checkpointing`) when installed: `tests/models/test_megatron_core_gpt.py`.
-Dense models only: a MoE config raises `UnsupportedModelError` before anything is written. The checkpoint's
+A model mixing dense and MoE layers raises `UnsupportedModelError` before anything is written. The checkpoint's
 `context/hf` (its tokenizer, an import's config.json) goes with the weights both ways.
 """
 
@@ -55,20 +61,25 @@ NEMO_PREFIX = "module."
 QKV = "decoder.layers.self_attention.linear_qkv.weight"
 QKV_BIAS = "decoder.layers.self_attention.linear_qkv.bias"
 FC1 = "decoder.layers.mlp.linear_fc1.weight"
+EXPERTS_FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+EXPERTS_FC2 = "decoder.layers.mlp.experts.experts.linear_fc2.weight"
+SHARED_FC1 = "decoder.layers.mlp.shared_experts.linear_fc1.weight"
+DENSE_NORM = "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+MOE_NORM = "decoder.layers.pre_mlp_layernorm.weight"
 # Megatron-Core key (without prefix) -> our per-layer key, for the stacked tensors that map one to one.
-_LAYER_KEYS = {
+_ATTENTION_KEYS = {
     "decoder.layers.self_attention.linear_proj.weight": "self_attention.o_proj.weight",
     "decoder.layers.self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "decoder.layers.mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+_DENSE_MLP_KEYS = {
+    DENSE_NORM: "pre_mlp_layernorm.weight",
     "decoder.layers.mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
+_MOE_KEYS = {MOE_NORM: "pre_mlp_layernorm.weight", "decoder.layers.mlp.router.weight": "mlp.router.weight"}
+_SHARED_EXPERT_KEYS = {"decoder.layers.mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight"}
 _QK_NORM_KEYS = {
     "decoder.layers.self_attention.q_layernorm.weight": "self_attention.q_layernorm.weight",
     "decoder.layers.self_attention.k_layernorm.weight": "self_attention.k_layernorm.weight",
-}
-_LOCAL_SPEC_NORMS = {
-    "decoder.layers.input_layernorm.weight": "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
-    "decoder.layers.pre_mlp_layernorm.weight": "decoder.layers.mlp.linear_fc1.layer_norm_weight",
 }
 _GLOBAL_KEYS = {
     "embedding.word_embeddings.weight": "module.embedding.weight",
@@ -76,13 +87,10 @@ _GLOBAL_KEYS = {
     "output_layer.weight": "module.output_layer.weight",
 }
 _GLOBAL_KEYS_BY_OURS = {ours: megatron for megatron, ours in _GLOBAL_KEYS.items()}
-EXTRA_STATE_MODULES = (
-    "self_attention.linear_qkv",
-    "self_attention.core_attention",
-    "self_attention.linear_proj",
-    "mlp.linear_fc1",
-    "mlp.linear_fc2",
-)
+EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.core_attention", "self_attention.linear_proj")
+DENSE_EXTRA_STATE_MODULES = ("mlp.linear_fc1", "mlp.linear_fc2")
+SHARED_EXTRA_STATE_MODULES = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+EXPERT_EXTRA_STATE_MODULES = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: GPTConfig) -> torch.Tensor:
@@ -103,9 +111,64 @@ def split_qkv(qkv: torch.Tensor, config: GPTConfig) -> tuple[torch.Tensor, torch
     return tuple(part.reshape(-1, *rest).contiguous() for part in (q, k, v))
 
 
+def is_moe(config: GPTConfig) -> bool:
+    """Whether `config`'s layers are MoE layers (Megatron-Core naming converts all-dense or all-MoE models)."""
+    return bool(config.num_moe_experts)
+
+
 def _layer_keys(config: GPTConfig) -> dict[str, str]:
     """Megatron-Core key -> our per-layer key, for the stacked tensors of `config` that map one to one."""
-    return _LAYER_KEYS | (_QK_NORM_KEYS if config.qk_layernorm else {})
+    mlp = _DENSE_MLP_KEYS
+    if is_moe(config):
+        mlp = _MOE_KEYS | (_SHARED_EXPERT_KEYS if config.moe_shared_expert_intermediate_size else {})
+    return _ATTENTION_KEYS | mlp | (_QK_NORM_KEYS if config.qk_layernorm else {})
+
+
+def _aliases(config: GPTConfig) -> dict[str, str]:
+    """Other specs' names of the norms -> the names `_layer_keys` uses (the local spec keeps the norms as modules
+    of their own; Transformer Engine fuses a dense MLP's norm into `linear_fc1`, not an MoE layer's)."""
+    aliases = {"decoder.layers.input_layernorm.weight": "decoder.layers.self_attention.linear_qkv.layer_norm_weight"}
+    if is_moe(config):
+        return aliases | {DENSE_NORM: MOE_NORM}
+    return aliases | {MOE_NORM: DENSE_NORM}
+
+
+def _gated(read: Callable[[str], torch.Tensor], mlp: str) -> torch.Tensor:
+    """Megatron-Core's SwiGLU `linear_fc1` weight of our MLP at `mlp`: [gate_proj; up_proj]."""
+    return torch.cat([read(f"{mlp}.gate_proj.weight"), read(f"{mlp}.up_proj.weight")])
+
+
+def _fused_mlp(read: Callable[[str], torch.Tensor], prefix: str, config: GPTConfig) -> dict[str, torch.Tensor]:
+    """One layer's fused MLP tensors, by Megatron-Core key (experts stacked along a leading expert axis)."""
+    if not is_moe(config):
+        return {FC1: _gated(read, prefix + "mlp")}
+    experts = range(config.num_moe_experts)
+    fused = {
+        EXPERTS_FC1: torch.stack([_gated(read, f"{prefix}mlp.experts.{e}") for e in experts]),
+        EXPERTS_FC2: torch.stack([read(f"{prefix}mlp.experts.{e}.down_proj.weight") for e in experts]),
+    }
+    if config.moe_shared_expert_intermediate_size:
+        fused[SHARED_FC1] = _gated(read, prefix + "mlp.shared_experts")
+    return fused
+
+
+def _split_mlp(state: dict[str, torch.Tensor], layer: int, prefix: str, config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Our tensors of one layer's fused MLP tensors (the inverse of `_fused_mlp`)."""
+    ours = {}
+
+    def ungate(fc1: torch.Tensor, mlp: str) -> None:
+        gate, up = fc1.chunk(2)
+        ours[f"{mlp}.gate_proj.weight"], ours[f"{mlp}.up_proj.weight"] = gate.contiguous(), up.contiguous()
+
+    if not is_moe(config):
+        ungate(state[FC1][layer], prefix + "mlp")
+        return ours
+    for expert in range(config.num_moe_experts):
+        ungate(state[EXPERTS_FC1][layer][expert], f"{prefix}mlp.experts.{expert}")
+        ours[f"{prefix}mlp.experts.{expert}.down_proj.weight"] = state[EXPERTS_FC2][layer][expert]
+    if SHARED_FC1 in state:
+        ungate(state[SHARED_FC1][layer], prefix + "mlp.shared_experts")
+    return ours
 
 
 def _fused_qkv(read: Callable[[str], torch.Tensor], prefix: str, kind: str, config: GPTConfig) -> torch.Tensor:
@@ -120,10 +183,9 @@ def to_megatron(read: Callable[[str], torch.Tensor], config: GPTConfig) -> dict[
     def stack(make: Callable[[str], torch.Tensor]) -> torch.Tensor:
         return torch.stack([make(f"module.layers.{i}.") for i in layers])
 
-    state = {
-        QKV: stack(lambda p: _fused_qkv(read, p, "weight", config)),
-        FC1: stack(lambda p: torch.cat([read(p + "mlp.gate_proj.weight"), read(p + "mlp.up_proj.weight")])),
-    }
+    state = {QKV: stack(lambda p: _fused_qkv(read, p, "weight", config))}
+    mlps = [_fused_mlp(read, f"module.layers.{i}.", config) for i in layers]
+    state |= {key: torch.stack([mlp[key] for mlp in mlps]) for key in mlps[0]}
     if config.add_qkv_bias:
         state[QKV_BIAS] = stack(lambda p: _fused_qkv(read, p, "bias", config))
     for megatron_key, ours in _layer_keys(config).items():
@@ -136,9 +198,10 @@ def to_megatron(read: Callable[[str], torch.Tensor], config: GPTConfig) -> dict[
 
 def from_megatron(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Our GPT tensors from Megatron-Core's GPT state (keys without the `module.` prefix, layers stacked)."""
-    state = {_LOCAL_SPEC_NORMS.get(key, key): value for key, value in state.items()}
+    aliases = _aliases(config)
+    state = {aliases.get(key, key): value for key, value in state.items()}
     layer_keys = _layer_keys(config)
-    expected = {QKV, FC1, *layer_keys, *_GLOBAL_KEYS} | ({QKV_BIAS} if config.add_qkv_bias else set())
+    expected = set(megatron_shapes(config))
     if config.share_embeddings_and_output_weights:
         expected.discard("output_layer.weight")
         state.pop("output_layer.weight", None)
@@ -165,9 +228,7 @@ def from_megatron(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str
             if fused in state:
                 for name, part in zip("qkv", split_qkv(state[fused][i], config)):
                     ours[f"{prefix}self_attention.{name}_proj.{kind}"] = part
-        gate, up = state[FC1][i].chunk(2)
-        ours[prefix + "mlp.gate_proj.weight"] = gate.contiguous()
-        ours[prefix + "mlp.up_proj.weight"] = up.contiguous()
+        ours |= _split_mlp(state, i, prefix, config)
         for megatron_key, key in layer_keys.items():
             ours[prefix + key] = state[megatron_key][i]
     return ours
@@ -184,13 +245,28 @@ def extra_states(prefix: str, config: GPTConfig) -> dict[str, ShardedObject]:
     """The `_extra_state` entries megatron-core's GPT expects of each layer's linear layers (and, with Transformer
     Engine, its core attention), as its `sharded_state_dict` declares them: one object per layer, None here (no FP8
     metadata; both specs load None). Megatron-Core's default strictness refuses a checkpoint without them."""
-    return {
+    modules = EXTRA_STATE_MODULES + (() if is_moe(config) else DENSE_EXTRA_STATE_MODULES)
+    if config.moe_shared_expert_intermediate_size:
+        modules += SHARED_EXTRA_STATE_MODULES
+    layers = config.num_layers
+    objects = {
         f"{prefix}decoder.layers.{layer}.{module}._extra_state": ShardedObject(
-            f"{prefix}decoder.layers.{module}._extra_state", None, (config.num_layers,), (layer,), replica_id=0
+            f"{prefix}decoder.layers.{module}._extra_state", None, (layers,), (layer,), replica_id=0
         )
-        for layer in range(config.num_layers)
-        for module in EXTRA_STATE_MODULES
+        for layer in range(layers)
+        for module in modules
     }
+    if is_moe(config):  # one per layer and expert
+        experts = config.num_moe_experts
+        objects |= {
+            f"{prefix}decoder.layers.{layer}.{module}.{expert}._extra_state": ShardedObject(
+                f"{prefix}decoder.layers.{module}._extra_state", None, (layers, experts), (layer, expert), replica_id=0
+            )
+            for layer in range(layers)
+            for expert in range(experts)
+            for module in EXPERT_EXTRA_STATE_MODULES
+        }
+    return objects
 
 
 def _save_weights(checkpoint: Path, tensors: dict[str, torch.Tensor], objects: dict[str, ShardedObject]) -> None:
