@@ -73,6 +73,15 @@ def test_help_names_the_supported_families(tmp_path, command):
         assert architecture in text, architecture
 
 
+def test_qkv_biases_with_qk_norms_export_to_megatron_but_not_to_hugging_face(tmp_path):
+    save_model(tmp_path / "both", GPTModel(gpt_config("tiny", add_qkv_bias=True, qk_layernorm=True)))
+    refusal = r"add_qkv_bias=True with qk_layernorm=True: no Hugging Face family"
+    with pytest.raises(UnsupportedModelError, match=refusal):
+        export_ckpt(str(tmp_path / "both"), str(tmp_path / "hf"), target="hf")
+    assert not (tmp_path / "hf").exists()
+    export_ckpt(str(tmp_path / "both"), str(tmp_path / "mcore"), target="megatron")
+
+
 def test_moe_models_are_refused_by_name_before_anything_is_written(tmp_path):
     """Hugging Face takes MoE models Mixtral can express (tests/models/test_hf_families.py), Megatron-Core naming
     all-MoE models (tests/models/test_megatron_naming.py); others are refused, naming the option."""

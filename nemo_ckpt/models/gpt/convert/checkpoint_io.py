@@ -4,7 +4,8 @@ and the LoRA merge.
 `checkpoint_tensor_reader` gives a checkpoint's tensors' metadata and loads one whole tensor at a time, whatever the
 layout it was saved in; `checkpoint_model` and `checkpoint_gpt_config` read its stored model config as data
 (`load_context`). `ConversionOutput` writes an output directory under a temporary name beside it and renames it into
-place at the end, so an output is whole or absent.
+place at the end, so an output is whole or absent. `check_convertible` refuses, before anything is written, a model
+a converter cannot handle, with the features that converter lists.
 """
 
 import shutil
@@ -22,6 +23,17 @@ from nemo_ckpt.dist_checkpointing import ShardedTensor
 from nemo_ckpt.dist_checkpointing.integrity import write_directory_checksums
 from nemo_ckpt.models.gpt.lightning import GPTModel
 from nemo_ckpt.models.gpt.model import GPTConfig
+
+
+class UnsupportedModelError(ValueError):
+    """A model the converter cannot write; the message lists each unsupported feature."""
+
+
+def check_convertible(features: list[str], checkpoint: Path, conversion: str) -> None:
+    """Raise `UnsupportedModelError` listing `features`, what of `checkpoint`'s model the `conversion` (e.g.
+    "export to Hugging Face") cannot handle; nothing when the list is empty."""
+    if features:
+        raise UnsupportedModelError(f"{checkpoint} cannot {conversion}: {'; '.join(features)}")
 
 
 def checkpoint_model(checkpoint: str | Path) -> fdl.Config:

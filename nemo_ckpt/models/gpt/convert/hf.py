@@ -49,6 +49,7 @@ from nemo_ckpt.checkpoint.layout import hf_artifacts_dir, weights_dir
 from nemo_ckpt.dist_checkpointing import ShardedTensor
 from nemo_ckpt.models.gpt.convert.checkpoint_io import (
     ConversionOutput,
+    check_convertible,
     checkpoint_gpt_config,
     checkpoint_tensor_reader,
 )
@@ -314,22 +315,9 @@ def check_config_against_weights(hf: dict[str, Any], tensors: dict[str, torch.Te
 
 
 def hf_config_from_gpt(config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """A Hugging Face `config.json` for a GPT with `config` (for checkpoints not imported from one): Qwen3 with
-    q/k norms, Qwen2 with q/k/v biases, else Llama."""
-    if config.qk_layernorm and config.add_qkv_bias:
-        raise UnsupportedModelError(
-            "add_qkv_bias=True with qk_layernorm=True: no Hugging Face family has both (Qwen2 has the biases, Qwen3 "
-            "the norms)"
-        )
-    family = FAMILIES[
-        "mixtral"
-        if config.num_moe_experts
-        else "qwen3"
-        if config.qk_layernorm
-        else "qwen2"
-        if config.add_qkv_bias
-        else "llama"
-    ]
+    """A Hugging Face `config.json` for a GPT with `config` (for checkpoints not imported from one), of the family
+    whose options it has (`export_family`)."""
+    family = export_family(config)
     rope = {"rope_type": "default", "rope_theta": config.rotary_base}
     if config.rope_scaling:
         rope = {"rope_type": "llama3", "rope_theta": config.rotary_base}
@@ -369,23 +357,24 @@ def _mixtral_fields(config: GPTConfig) -> dict[str, Any]:
     }
 
 
-class UnsupportedModelError(ValueError):
-    """A model the converter cannot write; the message lists each unsupported feature."""
+def export_family(config: GPTConfig) -> Family:
+    """The family a GPT with `config` exports as: Mixtral with experts, Qwen3 with q/k norms, Qwen2 with q/k/v
+    biases, else Llama (the first family with the same options); for a config `unsupported_features` accepts."""
+    options = (bool(config.num_moe_experts), config.qk_layernorm, config.add_qkv_bias)
+    return next(f for f in FAMILIES.values() if (f.moe, f.qk_layernorm, f.add_qkv_bias) == options)
 
 
-def unsupported_features(config: GPTConfig, conversion: str) -> list[str]:
-    """What of a GPT with `config` the `conversion` (e.g. "export to Hugging Face") cannot handle: MoE models
-    convert to Hugging Face as Mixtral (every layer MoE, softmax routing over the top-k logits, dropless, no
-    shared expert, no biases or q/k norms), and to Megatron-Core naming when every layer is MoE."""
+def unsupported_features(config: GPTConfig) -> list[str]:
+    """What of a GPT with `config` no Hugging Face family expresses: q/k/v biases with q/k norms; an MoE model
+    other than Mixtral's (every layer MoE, softmax routing over the top-k logits, dropless, no shared expert, no
+    biases or q/k norms)."""
+    if config.qk_layernorm and config.add_qkv_bias:
+        return [
+            "add_qkv_bias=True with qk_layernorm=True: no Hugging Face family has both (Qwen2 has the biases, Qwen3 "
+            "the norms)"
+        ]
     if not config.num_moe_experts:
         return []
-    if "Hugging Face" not in conversion:
-        if all(moe_layer_pattern(config)):
-            return []
-        return [
-            f"moe_layer_freq={config.moe_layer_freq!r}: dense and MoE layers mixed do not {conversion} yet (all-MoE "
-            "and all-dense models do)"
-        ]
     mixtral = {
         "moe_layer_freq": (1 if all(moe_layer_pattern(config)) else config.moe_layer_freq, 1),
         "moe_router_score_function": (config.moe_router_score_function, "softmax"),
@@ -400,13 +389,6 @@ def unsupported_features(config: GPTConfig, conversion: str) -> list[str]:
         for name, (value, expected) in mixtral.items()
         if value != expected
     ]
-
-
-def check_convertible(config: GPTConfig, checkpoint: Path, conversion: str) -> None:
-    """Raise `UnsupportedModelError` listing what of `checkpoint`'s model the `conversion` cannot handle."""
-    features = unsupported_features(config, conversion)
-    if features:
-        raise UnsupportedModelError(f"{checkpoint} cannot {conversion}: {'; '.join(features)}")
 
 
 def hf_artifact_sources(
@@ -597,7 +579,7 @@ def export_hf(
     checkpoint = Path(checkpoint)
     out = ConversionOutput(Path(output), overwrite)
     config = checkpoint_gpt_config(checkpoint)
-    check_convertible(config, checkpoint, "export to Hugging Face")
+    check_convertible(unsupported_features(config), checkpoint, "export to Hugging Face")
     if read_tensor is None:
         metadata, read_tensor = checkpoint_tensor_reader(checkpoint)
         stored_dtype = metadata["module.embedding.weight"].dtype

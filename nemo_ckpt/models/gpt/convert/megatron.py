@@ -45,17 +45,14 @@ from nemo_ckpt.checkpoint.layout import hf_artifacts_dir, weights_dir
 from nemo_ckpt.dist_checkpointing import ShardedObject, ShardedTensor
 from nemo_ckpt.models.gpt.convert.checkpoint_io import (
     ConversionOutput,
+    check_convertible,
     checkpoint_gpt_config,
     checkpoint_tensor_reader,
 )
-from nemo_ckpt.models.gpt.convert.hf import (
-    check_convertible,
-    copy_artifacts,
-    gpt_shapes,
-    hf_artifact_sources,
-)
+from nemo_ckpt.models.gpt.convert.hf import copy_artifacts, gpt_shapes, hf_artifact_sources
 from nemo_ckpt.models.gpt.lightning import GPTModel
 from nemo_ckpt.models.gpt.model import GPTConfig
+from nemo_ckpt.models.gpt.moe import moe_layer_pattern
 
 NEMO_PREFIX = "module."
 QKV = "decoder.layers.self_attention.linear_qkv.weight"
@@ -109,6 +106,16 @@ def split_qkv(qkv: torch.Tensor, config: GPTConfig) -> tuple[torch.Tensor, torch
     grouped = qkv.reshape(groups, q_rows + 2 * head_dim, *rest)
     q, k, v = grouped.split([q_rows, head_dim, head_dim], dim=1)
     return tuple(part.reshape(-1, *rest).contiguous() for part in (q, k, v))
+
+
+def unsupported_features(config: GPTConfig, conversion: str) -> list[str]:
+    """What of a GPT with `config` Megatron-Core naming cannot express yet: dense and MoE layers mixed."""
+    if not config.num_moe_experts or all(moe_layer_pattern(config)):
+        return []
+    return [
+        f"moe_layer_freq={config.moe_layer_freq!r}: dense and MoE layers mixed do not {conversion} yet (all-MoE and "
+        "all-dense models do)"
+    ]
 
 
 def is_moe(config: GPTConfig) -> bool:
@@ -201,14 +208,12 @@ def from_megatron(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str
     aliases = _aliases(config)
     state = {aliases.get(key, key): value for key, value in state.items()}
     layer_keys = _layer_keys(config)
-    expected = set(megatron_shapes(config))
+    expected_shapes = megatron_shapes(config)  # no output layer with tied embeddings
     if config.share_embeddings_and_output_weights:
-        expected.discard("output_layer.weight")
         state.pop("output_layer.weight", None)
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    missing, unexpected = sorted(expected_shapes.keys() - state.keys()), sorted(state.keys() - expected_shapes.keys())
     if missing or unexpected:
         raise ValueError(f"Megatron-Core GPT state: missing {missing}, unexpected {unexpected}")
-    expected_shapes = megatron_shapes(config)
     wrong = [
         f"{key}: {list(state[key].shape)} vs {list(shape)}"
         for key, shape in expected_shapes.items()
@@ -296,7 +301,8 @@ def import_megatron(
     keys (None: detected, NeMo 2.0's `module.` or none)."""
     source = Path(source)
     out = ConversionOutput(Path(output), overwrite)
-    check_convertible(config, source, "import from Megatron-Core naming")
+    conversion = "import from Megatron-Core naming"
+    check_convertible(unsupported_features(config, conversion), source, conversion)
     weights = weights_dir(source) if weights_dir(source).is_dir() else source
     metadata = dist_checkpointing.load_tensors_metadata(weights)
     prefix = detect_prefix(list(metadata), source) if prefix is None else prefix
@@ -329,7 +335,8 @@ def export_megatron(
     checkpoint = Path(checkpoint)
     out = ConversionOutput(Path(output), overwrite)
     config = checkpoint_gpt_config(checkpoint)
-    check_convertible(config, checkpoint, "export to Megatron-Core naming")
+    conversion = "export to Megatron-Core naming"
+    check_convertible(unsupported_features(config, conversion), checkpoint, conversion)
     read = read_tensor or checkpoint_tensor_reader(checkpoint)[1]
     state = to_megatron(read, config)
     tmp = out.start()
