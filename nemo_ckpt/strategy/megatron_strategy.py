@@ -261,9 +261,12 @@ class MegatronStrategy(DDPStrategy):
         """
         for optimizer in self.optimizers:
             init_optimizer_state(_unwrap(optimizer))
+        model_state = self.lightning_module_state_dict()  # once: every optimizer's state is sharded like it
+        module, rules = self.lightning_module, self.parallel.rules
+        optimizers = [_unwrap(optimizer) for optimizer in self.optimizers]
         return {
-            "state_dict": self.lightning_module_state_dict(),
-            "optimizer_states": [self.optimizer_state(optimizer) for optimizer in self.optimizers],
+            "state_dict": model_state,
+            "optimizer_states": [sharded_optimizer_state(opt, module, rules, model_state) for opt in optimizers],
         }
 
     def optimizer_step(
