@@ -55,11 +55,14 @@ install_slurm() {
 
 port_in_use() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
-# Four consecutive free ports: slurmctld, slurmd, slurmdbd, mariadbd.
+# Four consecutive free ports: slurmctld, slurmd, slurmdbd, mariadbd. Below the kernel's ephemeral range: a port in
+# it can be the local end of an outgoing connection (the tests' gloo sockets, in TIME_WAIT too), which a connect
+# probe does not see but bind() refuses (mariadbd: "Address already in use").
 free_ports() {
-    local port
+    local port ephemeral_start
+    read -r ephemeral_start _ < /proc/sys/net/ipv4/ip_local_port_range
     for _ in $(seq 50); do
-        port=$((20000 + RANDOM % 20000))
+        port=$((10000 + RANDOM % (ephemeral_start - 10000 - 4)))
         if ! port_in_use "$port" && ! port_in_use $((port + 1)) && ! port_in_use $((port + 2)) \
             && ! port_in_use $((port + 3)); then
             echo "$port"
