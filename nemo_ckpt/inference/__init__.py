@@ -1,0 +1,1 @@
+"""Inference: text generation with a KV cache, and evaluation."""
