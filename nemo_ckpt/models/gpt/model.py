@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from nemo_ckpt.models.gpt.kv_cache import KVCache, LayerKVCache
 from nemo_ckpt.models.gpt.moe import MoELayer, moe_layer_pattern, validate_moe_config
 from nemo_ckpt.parallel.context_parallel import ContextParallel
 
@@ -310,10 +311,16 @@ class Attention(nn.Module):
             self.k_layernorm = nn.RMSNorm(config.head_dim, eps=config.layernorm_epsilon)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        kv_cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
-        """`mask`: None for plain causal attention, or a boolean [batch, 1, seq, seq] mask (True: may attend) of
-        packed sequences (`packed_attention_mask`)."""
+        """`mask`: None for plain causal attention, or a boolean [batch, 1, seq, keys] mask (True: may attend) of
+        packed sequences (`packed_attention_mask`) or of a `KVCache`. `kv_cache`: the keys and values of earlier
+        tokens, which the new ones are appended to and attend over (incremental decoding)."""
         batch, seq, _ = x.shape
         head_dim = self.config.head_dim
         q = self.q_proj(x).view(batch, seq, -1, head_dim)
@@ -323,6 +330,8 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, -1, head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
         if self.context_parallel is not None:
             if mask is not None:
                 raise ValueError(
@@ -330,8 +339,8 @@ class Attention(nn.Module):
                     "context_parallel_size=1, or FineTuningDataModule(packed_sequence_specs=None)"
                 )
             out = self.context_parallel.attention(q, k, v, causal=True)
-        elif mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        elif mask is None:  # causal; a single query (a decode step) attends to every key
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1, enable_gqa=q.shape[1] != k.shape[1])
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
@@ -365,9 +374,14 @@ class TransformerLayer(nn.Module):
             self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        kv_cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attention(self.input_layernorm(x), cos, sin, mask=mask)
+        x = x + self.self_attention(self.input_layernorm(x), cos, sin, mask=mask, kv_cache=kv_cache)
         return x + self.mlp(self.pre_mlp_layernorm(x))
 
 
@@ -431,25 +445,40 @@ class GPT(nn.Module):
         tokens: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """`tokens`: token ids [batch, seq] (hidden states [batch, seq, hidden] without `pre_process`);
         `position_ids` ([seq] or [batch, seq]): the global positions of their columns (default 0..seq-1);
         `segment_ids` [batch, seq]: packed sequences, the sample each token belongs to (attention stays within a
-        sample, `packed_attention_mask`); None: one causal sequence per row."""
+        sample, `packed_attention_mask`); None: one causal sequence per row.
+        `kv_cache` (`nemo_ckpt.models.gpt.kv_cache.KVCache`): the tokens follow those it holds, attend over them,
+        and are added to it (generation); pass their `position_ids`."""
         if position_ids is None:
             seq_length = tokens.shape[1] * (1 if self.pre_process else self.sequence_parallel_size)
             position_ids = torch.arange(seq_length, device=tokens.device)
         cos, sin = rotary_tables(self.config, position_ids)
         mask = None if segment_ids is None else packed_attention_mask(segment_ids)
         x = self.embedding(tokens) if self.pre_process else tokens
-        for layer in self.layers:
-            if self.config.recompute_granularity == "full" and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, mask=mask, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin, mask=mask)
+        if kv_cache is not None:
+            x = self._forward_cached(x, cos, sin, kv_cache)
+        else:
+            for layer in self.layers:
+                if self.config.recompute_granularity == "full" and torch.is_grad_enabled():
+                    x = checkpoint(layer, x, cos, sin, mask=mask, use_reentrant=False)
+                else:
+                    x = layer(x, cos, sin, mask=mask)
         if not self.post_process:
             return x
         x = self.final_layernorm(x)
         if self.output_layer is None:
             return F.linear(x, self.embedding.weight)
         return self.output_layer(x)
+
+    def _forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        """The layers over `x` (the tokens after those `kv_cache` holds), each with its cache; advances it."""
+        seq = x.shape[1]
+        mask = kv_cache.attention_mask(seq, x.device)
+        for index, layer in zip(self.layers.indices(), self.layers):
+            x = layer(x, cos, sin, mask=mask, kv_cache=kv_cache.layer(index))
+        kv_cache.advance(seq)
+        return x
