@@ -1,7 +1,9 @@
 """`pretrain` and `finetune`: the entry points a recipe's `run.Partial` targets, like NeMo's `llm.pretrain` and
-`llm.finetune`; `import_ckpt` / `export_ckpt` convert checkpoints (Hugging Face, Megatron-Core naming)."""
+`llm.finetune`; `import_ckpt` / `export_ckpt` convert checkpoints (Hugging Face, Megatron-Core naming); `generate`:
+text from a checkpoint (`nemo_ckpt.inference`)."""
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,8 @@ from nemo_ckpt.checkpoint.resume import AutoResume, RestoreCallback, RestoreConf
 from nemo_ckpt.checkpoint.rng import RNGStateCallback
 from nemo_ckpt.conversion import export_ckpt, import_ckpt
 from nemo_ckpt.data.base import SampledDataModule
+from nemo_ckpt.inference.sampling import SamplingParams
+from nemo_ckpt.inference.text import end_token_ids, generate_text, load_tokenizer
 from nemo_ckpt.logger import NeMoLogger
 from nemo_ckpt.models.gpt.lightning import GPTModel
 from nemo_ckpt.optim import OptimizerConfig
@@ -109,4 +113,39 @@ def finetune(
     return pretrain(model, data, trainer, log, resume, optim, seed)
 
 
-__all__ = ["export_ckpt", "finetune", "import_ckpt", "pretrain"]
+def generate(
+    path: str,
+    prompts: list[str],
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: list[str] | None = None,
+    chat: bool = False,
+    stream: bool = True,
+) -> list[str]:
+    """The text the checkpoint at `path` generates after each of `prompts`, with its stored tokenizer.
+
+    Any checkpoint: pretrained, fine-tuned, imported, or LoRA (its adapters applied to the base without merging),
+    whatever layout saved it. Greedy with `temperature=0`, else sampled (`top_k`, `top_p`, `seed`: see
+    `nemo_ckpt.inference.sampling.SamplingParams`); a row ends after `max_new_tokens`, at the tokenizer's eos, or
+    at one of the `stop` strings (cut before it). `chat`: each prompt is a user turn through the tokenizer's chat
+    template. `stream`: each prompt's text is printed as it is produced, one prompt after another (as
+    `nemo nemo_ckpt generate` shows it); `stream=False` generates the prompts in one batch and prints nothing.
+    """
+    tokenizer = load_tokenizer(path)
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop_token_ids=end_token_ids(tokenizer, path),
+        stop_strings=tuple(stop or ()),
+    )
+    model = context.load_model(path).eval()
+    return generate_text(model, tokenizer, list(prompts), params, chat, sys.stdout if stream else None)
+
+
+__all__ = ["export_ckpt", "finetune", "generate", "import_ckpt", "pretrain"]

@@ -56,7 +56,10 @@ def left_padded(prompts: list[list[int]], device: torch.device) -> tuple[torch.T
 
 @torch.inference_mode()
 def generate_tokens(
-    model: nn.Module, prompts: list[list[int]], params: SamplingParams, on_token: OnToken | None = None
+    model: nn.Module,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    on_token: OnToken | None = None,
 ) -> list[list[int]]:
     """The new token ids of each prompt (token ids), generated with `params`; a stop token ends its row and is
     not included. `on_token(row, token)` sees every token kept as it is produced (streaming) and may end the row
