@@ -124,7 +124,7 @@ def test_checkpoint_export_and_import_round_trip(tmp_path):
 
 
 def test_bad_sources_and_targets():
-    with pytest.raises(ValueError, match="use hf:///path/to/dir or megatron:///path"):
+    with pytest.raises(ValueError, match="use hf:///path/to/dir, megatron:///path/to/checkpoint or nemo2:///"):
         import_ckpt("s3://bucket/model", "out")
     with pytest.raises(ValueError, match="needs config=GPTConfig"):
         import_ckpt("megatron:///nowhere", "out")

@@ -34,7 +34,8 @@ A model mixing dense and MoE layers raises `UnsupportedModelError` before anythi
 `context/hf` (its tokenizer, an import's config.json) goes with the weights both ways.
 """
 
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -84,6 +85,7 @@ _GLOBAL_KEYS = {
     "output_layer.weight": "module.output_layer.weight",
 }
 _GLOBAL_KEYS_BY_OURS = {ours: megatron for megatron, ours in _GLOBAL_KEYS.items()}
+EMBEDDING = _GLOBAL_KEYS_BY_OURS["module.embedding.weight"]
 EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.core_attention", "self_attention.linear_proj")
 DENSE_EXTRA_STATE_MODULES = ("mlp.linear_fc1", "mlp.linear_fc2")
 SHARED_EXTRA_STATE_MODULES = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
@@ -283,22 +285,28 @@ def _save_weights(checkpoint: Path, tensors: dict[str, torch.Tensor], objects: d
 
 def detect_prefix(keys: list[str], source: Path) -> str:
     """The prefix of the model's keys: NeMo 2.0's `module.`, or none (a plain megatron-core checkpoint)."""
-    anchor = _GLOBAL_KEYS_BY_OURS["module.embedding.weight"]
-    prefixes = [key.removesuffix(anchor) for key in keys if key.endswith(anchor) and not key.startswith("optimizer.")]
+    model_keys = [key for key in keys if not key.startswith("optimizer.")]
+    prefixes = [key.removesuffix(EMBEDDING) for key in model_keys if key.endswith(EMBEDDING)]
     if len(prefixes) != 1:
         raise ValueError(
-            f"{source} is not a Megatron-Core GPT checkpoint: {len(prefixes)} tensors end in {anchor!r} (one "
+            f"{source} is not a Megatron-Core GPT checkpoint: {len(prefixes)} tensors end in {EMBEDDING!r} (one "
             "expected, under NeMo 2.0's 'module.' prefix or none)"
         )
     return prefixes[0]
 
 
 def import_megatron(
-    source: str | Path, output: str | Path, config: GPTConfig, prefix: str | None = None, overwrite: bool = False
+    source: str | Path,
+    output: str | Path,
+    config: GPTConfig,
+    prefix: str | None = None,
+    overwrite: bool = False,
+    tokenizer_files: Sequence[Path] = (),
 ) -> Path:
     """Our checkpoint at `output` from the Megatron-Core / NeMo 2.0 GPT checkpoint `source` (its `weights/`
     directory, or a `dist_checkpointing` directory itself) of a Llama model with `config`. `prefix`: of the model's
-    keys (None: detected, NeMo 2.0's `module.` or none)."""
+    keys (None: detected, NeMo 2.0's `module.` or none). `tokenizer_files`: copied into the output's `context/hf`
+    (default: the tokenizer of `source`'s `context/hf`, if it has one)."""
     source = Path(source)
     out = ConversionOutput(Path(output), overwrite)
     conversion = "import from Megatron-Core naming"
@@ -314,10 +322,20 @@ def import_megatron(
         _save_weights(tmp, ours, {})
         save_context(tmp, model=GPTModel(config))
         copy_artifacts(*hf_artifact_sources(source), hf_artifacts_dir(tmp))
+        for path in tokenizer_files:
+            hf_artifacts_dir(tmp).mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, hf_artifacts_dir(tmp) / path.name)
     except BaseException:
         out.abort()
         raise
     return out.commit()
+
+
+def write_our_context(checkpoint: Path, config: GPTConfig, source: Path, base: Path | None) -> None:
+    """Our `context/` in a Megatron-Core export: the model's config and the `context/hf` files of `source` (or of
+    its adapter base `base`)."""
+    save_context(checkpoint, model=GPTModel(config))
+    copy_artifacts(*hf_artifact_sources(source, base=base), hf_artifacts_dir(checkpoint))
 
 
 def export_megatron(
@@ -327,11 +345,13 @@ def export_megatron(
     overwrite: bool = False,
     read_tensor: Callable[[str], torch.Tensor] | None = None,
     base: str | Path | None = None,
+    write_context: Callable[[Path, GPTConfig, Path, Path | None], None] = write_our_context,
 ) -> Path:
     """Our GPT checkpoint written in Megatron-Core's naming (`weights/` with `<prefix>decoder.layers...`), with
     our `context/model.json` and `context/hf` beside it. `read_tensor`: loads one of our tensors by key (default:
     from `checkpoint`'s weights); `base`: an adapter checkpoint's base, whose `context/hf` serves where
-    `checkpoint`'s lacks a file."""
+    `checkpoint`'s lacks a file; `write_context(output, config, checkpoint, base)`: writes the output's `context/`
+    (NeMo 2.0's: `nemo2.write_nemo_context`)."""
     checkpoint = Path(checkpoint)
     out = ConversionOutput(Path(output), overwrite)
     config = checkpoint_gpt_config(checkpoint)
@@ -342,8 +362,7 @@ def export_megatron(
     tmp = out.start()
     try:
         _save_weights(tmp, {prefix + key: tensor for key, tensor in state.items()}, extra_states(prefix, config))
-        save_context(tmp, model=GPTModel(config))
-        copy_artifacts(*hf_artifact_sources(checkpoint, base=base), hf_artifacts_dir(tmp))
+        write_context(tmp, config, checkpoint, None if base is None else Path(base))
     except BaseException:
         out.abort()
         raise
