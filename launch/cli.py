@@ -30,7 +30,7 @@ import recipes  # noqa: F401  (registers the recipe factories of `pretrain`)
 from launch.job import run_and_wait
 from launch.slurm import SlurmPathWarning, check_job, check_layout, sbatch_script
 from nemo_ckpt._compat import nemo_run_cli_split_run_args
-from nemo_ckpt.api import export_ckpt, finetune, generate, import_ckpt, pretrain
+from nemo_ckpt.api import evaluate, export_ckpt, finetune, generate, import_ckpt, pretrain
 from nemo_ckpt.options import UnknownOptionError, check_config_options, check_override
 from nemo_ckpt.preflight import check_task
 
@@ -206,4 +206,5 @@ run.cli.entrypoint(pretrain, namespace="nemo_ckpt", run_ctx_cls=CheckedRunContex
 run.cli.entrypoint(finetune, namespace="nemo_ckpt", run_ctx_cls=CheckedRunContext)
 run.cli.entrypoint(import_ckpt, namespace="nemo_ckpt", enable_executor=False)
 run.cli.entrypoint(export_ckpt, namespace="nemo_ckpt", enable_executor=False)
+run.cli.entrypoint(evaluate, namespace="nemo_ckpt", enable_executor=False)
 run.cli.entrypoint(generate, namespace="nemo_ckpt", enable_executor=False)

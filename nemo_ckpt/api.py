@@ -1,6 +1,7 @@
 """`pretrain` and `finetune`: the entry points a recipe's `run.Partial` targets, like NeMo's `llm.pretrain` and
-`llm.finetune`; `import_ckpt` / `export_ckpt` convert checkpoints (Hugging Face, Megatron-Core naming); `generate`:
-text from a checkpoint (`nemo_ckpt.inference`)."""
+`llm.finetune`; `import_ckpt` / `export_ckpt` convert checkpoints (Hugging Face, Megatron-Core naming); `evaluate`:
+a checkpoint's loss and perplexity on an indexed dataset or SFT records (`nemo_ckpt.inference.evaluate`);
+`generate`: text from a checkpoint (`nemo_ckpt.inference`)."""
 
 import dataclasses
 import sys
@@ -14,6 +15,7 @@ from nemo_ckpt.checkpoint.resume import AutoResume, RestoreCallback, RestoreConf
 from nemo_ckpt.checkpoint.rng import RNGStateCallback
 from nemo_ckpt.conversion import export_ckpt, import_ckpt
 from nemo_ckpt.data.base import SampledDataModule
+from nemo_ckpt.inference.evaluate import evaluate
 from nemo_ckpt.inference.sampling import SamplingParams
 from nemo_ckpt.inference.text import end_token_ids, generate_text, load_tokenizer
 from nemo_ckpt.logger import NeMoLogger
@@ -148,4 +150,4 @@ def generate(
     return generate_text(model, tokenizer, list(prompts), params, chat, sys.stdout if stream else None)
 
 
-__all__ = ["export_ckpt", "finetune", "generate", "import_ckpt", "pretrain"]
+__all__ = ["evaluate", "export_ckpt", "finetune", "generate", "import_ckpt", "pretrain"]
