@@ -4,11 +4,12 @@ numbers the training loop's validation computes on the same data.
 The data (`data=`):
 
 - an indexed dataset prefix (Megatron's `PREFIX.bin` + `PREFIX.idx`, `python -m nemo_ckpt.data.preprocess`): one
-  epoch of its GPT samples of the model's `seq_length` tokens, as `PreTrainingDataModule(paths={"validation":
+  epoch of its GPT samples of `seq_length` tokens (default: the model's), as `PreTrainingDataModule(paths={"validation":
   PREFIX}, seed=seed)` validates on it (every document, in Megatron's shuffled order, without the last partial
   sample); every token is scored;
 - a `.jsonl` file of SFT records (`{"input": ..., "output": ...}` or `{"messages": [...]}`, `nemo_ckpt.data.sft`):
-  one epoch of them as `FineTuningDataModule(seed=seed)` validates on its `validation.jsonl`; only the answer
+  one epoch of them as `FineTuningDataModule(seed=seed)` validates on its `validation.jsonl`, each cut or padded
+  to `seq_length` tokens (default: the model's, at most 2048, as the fine-tuning recipes set it); only the answer
   tokens (and the closing end-of-document) are scored, the `loss_mask` of fine-tuning.
 
 Both are tokenized with the checkpoint's tokenizer (`context/hf`, the one it was trained with) unless `tokenizer=`
@@ -43,6 +44,7 @@ from nemo_ckpt.models.gpt.lightning import GPTModel
 from nemo_ckpt.models.gpt.model import VocabularyError
 
 WHOLE_DATASET = "0,1,0"  # every document to the validation split
+SFT_MAX_SEQ_LENGTH = 2048  # recipes.finetune's data seq_length: min(model.seq_length, 2048)
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ def evaluate(
     path: str,
     data: str,
     micro_batch_size: int = 4,
+    seq_length: int | None = None,
     tokenizer: str | None = None,
     seed: int = 1234,
     prompt_template: str = "{input}\n",
@@ -131,19 +134,21 @@ def evaluate(
 ) -> EvalResult:
     """The loss and perplexity of checkpoint `path` on `data` (an indexed dataset prefix or a `.jsonl` file of SFT
     records; see the module docstring), printed and returned. Runs in one process on `device` (default: CUDA when
-    available), in float32. `seed`, `prompt_template`, `message_template`: the data module's, for the same samples
-    in the same order as its validation; `index_mapping_dir`: where an indexed dataset's index files are cached
-    (default: beside the data, as `PreTrainingDataModule`). An adapter checkpoint (LoRA) evaluates base + adapters.
+    available), in float32. `seq_length`, `seed`, `prompt_template`, `message_template`: the data module's, for the
+    same samples in the same order as its validation; `index_mapping_dir`: where an indexed dataset's index files
+    are cached (default: beside the data, as `PreTrainingDataModule`). An adapter checkpoint (LoRA) evaluates
+    base + adapters.
     """
     if micro_batch_size < 1:
         raise ValueError(f"evaluate(micro_batch_size={micro_batch_size}): use 1 or more")
     model = load_model(path, trust_code=trust_code)
     if not isinstance(model, GPTModel):
         raise ValueError(f"{path} holds a {type(model).__name__}; evaluate takes GPTModel checkpoints")
+    if seq_length is None:
+        is_sft = data.endswith(".jsonl")
+        seq_length = min(model.config.seq_length, SFT_MAX_SEQ_LENGTH) if is_sft else model.config.seq_length
     text_tokenizer = checkpoint_tokenizer(path, tokenizer)
-    dataset = eval_dataset(
-        data, text_tokenizer, model.config.seq_length, seed, prompt_template, message_template, index_mapping_dir
-    )
+    dataset = eval_dataset(data, text_tokenizer, seq_length, seed, prompt_template, message_template, index_mapping_dir)
     model = model.float().eval().to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     loader = DataLoader(dataset, batch_size=micro_batch_size, collate_fn=stack_batch)
     loss_sum, tokens, samples = 0.0, 0, 0

@@ -139,3 +139,9 @@ def test_prints_loss_and_the_command_line_refuses_bad_input(checkpoint, indexed,
     assert f"({result.tokens:,} tokens, {result.samples:,} samples)\n  val_loss {result.val_loss:.6f}" in printed
     missing = commands.nemo("nemo_ckpt", "evaluate", f"path={checkpoint}", f"data={tmp_path / 'x.jsonl'}", cwd=tmp_path)
     assert missing.returncode == 1 and "no such JSONL file" in missing.stdout, missing.stdout
+
+
+def test_seq_length_sets_where_samples_are_cut(checkpoint, sft_root):
+    cut = evaluate(str(checkpoint), str(sft_root / "validation.jsonl"))  # the model's 16 tokens: answers cut
+    whole = evaluate(str(checkpoint), str(sft_root / "validation.jsonl"), seq_length=40)
+    assert cut.samples == whole.samples and cut.tokens < whole.tokens
