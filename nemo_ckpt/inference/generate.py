@@ -10,19 +10,25 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from nemo_ckpt.inference.parallel import PipelineForward
 from nemo_ckpt.inference.sampling import SamplingParams, make_generator, sample
 from nemo_ckpt.models.gpt.kv_cache import KVCache
 from nemo_ckpt.models.gpt.model import GPT
 
 OnToken = Callable[[int, int], bool]  # (row, token) -> whether the row stops there
+Forward = Callable[[torch.Tensor, torch.Tensor, KVCache], torch.Tensor]  # tokens, positions, cache -> last logits
 
 
-def as_gpt(model: nn.Module) -> GPT:
-    """The `GPT` of `model` (a `GPT`, or a `GPTModel` whose module is built)."""
+def model_forward(model: nn.Module) -> tuple[GPT, Forward]:
+    """The `GPT` (this rank's stage, under pipeline parallelism) of `model`, a `GPT` or a built `GPTModel`, and the
+    function giving the logits of each row's last new token (`PipelineForward` across pipeline stages)."""
+    if getattr(model, "pipeline_stages", None):
+        forward = PipelineForward(model)
+        return forward.stage, forward
     gpt = getattr(model, "module", model)
     if not isinstance(gpt, GPT):
         raise TypeError(f"generate takes a GPT or a GPTModel with its module built, not {type(model).__name__}")
-    return gpt
+    return gpt, lambda tokens, positions, kv_cache: gpt(tokens, positions, kv_cache=kv_cache)[:, -1]
 
 
 def check_prompts(prompts: list[list[int]], params: SamplingParams, gpt: GPT) -> None:
@@ -63,8 +69,9 @@ def generate_tokens(
 ) -> list[list[int]]:
     """The new token ids of each prompt (token ids), generated with `params`; a stop token ends its row and is
     not included. `on_token(row, token)` sees every token kept as it is produced (streaming) and may end the row
-    by returning True (that token stays included)."""
-    gpt = as_gpt(model)
+    by returning True (that token stays included). `model`: a `GPT` or a `GPTModel`, whole or this rank's part
+    (`load_parallel_model`; every rank then calls this with the same prompts and parameters)."""
+    gpt, forward = model_forward(model)
     check_prompts(prompts, params, gpt)
     device = next(gpt.parameters()).device
     tokens, pads = left_padded(prompts, device)
@@ -80,7 +87,7 @@ def generate_tokens(
     stops = set(params.stop_token_ids)
     outputs: list[list[int]] = [[] for _ in range(batch)]
     running = [True] * batch
-    logits = gpt(tokens, positions, kv_cache=cache)[:, -1]
+    logits = forward(tokens, positions, cache)
     next_positions = positions[..., -1:] + 1
     for step in range(params.max_new_tokens):
         chosen = sample(logits, params, generator)
@@ -95,6 +102,6 @@ def generate_tokens(
                 running[row] = False
         if not any(running) or step + 1 == params.max_new_tokens:
             break
-        logits = gpt(chosen.unsqueeze(-1), next_positions, kv_cache=cache)[:, -1]
+        logits = forward(chosen.unsqueeze(-1), next_positions, cache)
         next_positions = next_positions + 1
     return outputs

@@ -1,6 +1,8 @@
 """A LoRA adapter checkpoint generates with its adapters applied, unmerged, the greedy tokens of its merged
 Hugging Face export under transformers' `generate`."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -25,21 +27,26 @@ def save_weights(model: GPTModel, path) -> None:
     save_context(path, model=model)
 
 
-def test_adapter_checkpoint_generates_its_merged_export(tmp_path):
-    transformers = pytest.importorskip("transformers")
+def make_lora_checkpoints(root: Path) -> tuple[Path, Path]:
+    """A tiny base checkpoint and a LoRA adapter checkpoint on it (random adapters)."""
     torch.manual_seed(7)
     base = GPTModel(gpt_config("tiny", num_query_groups=2))
     base.configure_model()
-    save_weights(base, tmp_path / "base")
-    trained = GPTModel(base.config, peft=LoRA(base_checkpoint=str(tmp_path / "base")))
+    save_weights(base, root / "base")
+    trained = GPTModel(base.config, peft=LoRA(base_checkpoint=str(root / "base")))
     trained.configure_model()
     trained.load_state_dict(base.state_dict(), strict=False)
     with torch.no_grad():
         for module in trained.modules():
             if isinstance(module, LoRALinear):
                 module.lora_b.normal_(std=0.05)
-    save_weights(trained, tmp_path / "adapters")
+    save_weights(trained, root / "adapters")
+    return root / "base", root / "adapters"
 
+
+def test_adapter_checkpoint_generates_its_merged_export(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    make_lora_checkpoints(tmp_path)
     unmerged = load_model(tmp_path / "adapters")
     assert any(isinstance(module, LoRALinear) for module in unmerged.modules())
     prompts = [[3, 4, 5, 6], [7, 8]]
