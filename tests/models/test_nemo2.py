@@ -1,14 +1,19 @@
 """NeMo 2.0 checkpoint directories in and out (`nemo2://`).
 
-nemo-toolkit does not run here (2.5.3 installs, but `nemo.lightning` needs `nv_one_logger`, which PyPI does not
-have), so the reference checkpoint is made from NeMo's source layout: `context/io.json` is written by Fiddle's own
-serializer (the one NeMo's `IOMixin.io_dump` calls) from configs of stand-in classes registered under NeMo's module
-and class names, with only the arguments set that NeMo stores; `weights/` is Megatron-Core's naming under the
-`module.` prefix, which `test_megatron_core_gpt.py` checks against megatron-core's own GPTModel.
+The reference context, `nemo2_reference/context/` (`io.json`, `model.yaml`, the tokenizer in `tok/`), was written
+by NeMo's own code: nemo-toolkit 2.5.3's `IOMixin.io_dump` of a `TrainerContext` holding `llm.LlamaModel(
+llm.Llama32Config1B(<tiny shape>), AutoTokenizer(...))` (`nemo2_reference/make_reference.py` says how; it runs in a
+venv of its own, with NVIDIA's `nv_one_logger` stubbed). Its weights are Megatron-Core's naming under `module.`,
+which `test_megatron_core_gpt.py` checks against megatron-core's own GPTModel. nemo-toolkit does not install in the
+test environment, so the tests that vary the context write it with Fiddle's own serializer (the one NeMo's
+`io_dump` calls) from configs of stand-ins registered under NeMo's module and class names; NeMo 2.5.3's
+`io.load_context` read an export of ours back into `LlamaModel(Llama31Config(...))` with its `AutoTokenizer`
+(checked once by hand, not in the suite).
 """
 
 import dataclasses
 import json
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -32,6 +37,7 @@ from nemo_ckpt.models.gpt.convert.nemo2_configs import TRANSFORMER_CONFIG_DEFAUL
 from tests.helpers.megatron import importorskip_megatron_core
 
 LLM = "nemo.collections.llm.gpt.model"
+NEMO_REFERENCE = Path(__file__).parent / "nemo2_reference" / "context"
 # A tiny Llama 3.2 (`Llama32Config1B`'s defaults: tied embeddings, rotary base 500000, Llama 3.1 scaling with factor
 # 32) with its shape set, as a NeMo recipe would.
 LLAMA32 = gpt_config(
@@ -143,18 +149,20 @@ def llama32(classes, **more) -> fdl.Config:
     return fdl.Config(classes.config, **(NEMO_ARGUMENTS | extra | more))
 
 
-def test_imports_a_nemo2_checkpoint_with_its_config_class_defaults_and_tokenizer(tmp_path, nemo_classes):
-    nemo = nemo_reference(tmp_path, nemo_classes, llama32(nemo_classes))
+def test_imports_a_checkpoint_nemo_wrote_with_its_config_class_defaults_and_tokenizer(tmp_path):
+    ours, state = save_ours(tmp_path / "ours")
+    nemo = export_ckpt(str(ours), str(tmp_path / "nemo"), target="megatron")  # the weights, under module.
+    shutil.rmtree(context_dir(nemo))
+    shutil.copytree(NEMO_REFERENCE, context_dir(nemo))
     imported = import_ckpt(f"nemo2://{nemo}", str(tmp_path / "imported"))
     model = load_model(imported)
     assert model.config == LLAMA32  # Llama32Config1B's defaults filled what NeMo did not store
-    _, ours = save_ours(tmp_path / "again")
     loaded = dist_checkpointing.load_plain_tensors(weights_dir(imported))
-    assert loaded.keys() == ours.keys() and all(torch.equal(loaded[key], ours[key]) for key in ours)
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[key], state[key]) for key in state)
     tokens = torch.arange(48).view(2, 24)
     with torch.no_grad():
-        assert torch.equal(model(tokens), load_model(tmp_path / "ours")(tokens))
-    tokenizer = (context_dir(nemo) / "nemo_tokenizer" / "tokenizer.json").read_bytes()
+        assert torch.equal(model(tokens), load_model(ours)(tokens))
+    tokenizer = (NEMO_REFERENCE / "tok" / "tokenizer.json").read_bytes()
     assert (hf_artifacts_dir(imported) / "tokenizer.json").read_bytes() == tokenizer
 
 
