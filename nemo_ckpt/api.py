@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 
 from nemo_ckpt.checkpoint import context
 from nemo_ckpt.checkpoint.resume import AutoResume, RestoreCallback, RestoreConfig, restore_artifacts
@@ -16,6 +17,7 @@ from nemo_ckpt.checkpoint.rng import RNGStateCallback
 from nemo_ckpt.conversion import export_ckpt, import_ckpt
 from nemo_ckpt.data.base import SampledDataModule
 from nemo_ckpt.inference.evaluate import evaluate
+from nemo_ckpt.inference.parallel import load_generation_model
 from nemo_ckpt.inference.sampling import SamplingParams
 from nemo_ckpt.inference.text import end_token_ids, generate_text, load_tokenizer
 from nemo_ckpt.logger import NeMoLogger
@@ -126,6 +128,9 @@ def generate(
     stop: list[str] | None = None,
     chat: bool = False,
     stream: bool = True,
+    device: str = "cpu",
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
 ) -> list[str]:
     """The text the checkpoint at `path` generates after each of `prompts`, with its stored tokenizer.
 
@@ -135,6 +140,9 @@ def generate(
     at one of the `stop` strings (cut before it). `chat`: each prompt is a user turn through the tokenizer's chat
     template. `stream`: each prompt's text is printed as it is produced, one prompt after another (as
     `nemo nemo_ckpt generate` shows it); `stream=False` generates the prompts in one batch and prints nothing.
+    `device`: `cpu` or `cuda`. `tensor_parallel_size` / `pipeline_parallel_size`: the model split over that many
+    processes, each reading its part of the checkpoint (start them with torchrun, e.g. `torchrun
+    --nproc-per-node 2 $(which nemo) nemo_ckpt generate ... tensor_parallel_size=2`); the first one prints.
     """
     tokenizer = load_tokenizer(path)
     params = SamplingParams(
@@ -146,8 +154,9 @@ def generate(
         stop_token_ids=end_token_ids(tokenizer, path),
         stop_strings=tuple(stop or ()),
     )
-    model = context.load_model(path).eval()
-    return generate_text(model, tokenizer, list(prompts), params, chat, sys.stdout if stream else None)
+    model = load_generation_model(path, tensor_parallel_size, pipeline_parallel_size, device)
+    out = sys.stdout if not dist.is_initialized() or dist.get_rank() == 0 else None
+    return generate_text(model, tokenizer, list(prompts), params, chat, stream, out)
 
 
 __all__ = ["evaluate", "export_ckpt", "finetune", "generate", "import_ckpt", "pretrain"]

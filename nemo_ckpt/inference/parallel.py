@@ -13,12 +13,27 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from nemo_ckpt import dist_checkpointing
-from nemo_ckpt.checkpoint.context import load_model_config
+from nemo_ckpt.checkpoint.context import load_model, load_model_config
 from nemo_ckpt.checkpoint.layout import weights_dir
 from nemo_ckpt.models.gpt.kv_cache import KVCache
 from nemo_ckpt.models.gpt.lightning import GPTModel
 from nemo_ckpt.models.gpt.model import GPT
 from nemo_ckpt.strategy.state_dict import load_module_state, model_sharded_state_dict
+
+
+def load_generation_model(
+    checkpoint: str, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, device: str = "cpu"
+) -> GPTModel:
+    """`checkpoint`'s model in this process on `device`, or with more than one of tensor x pipeline parallel
+    ranks this rank's part (`load_parallel_model`); the process group (gloo, NCCL on CUDA) starts from torchrun's
+    environment unless it is already up."""
+    if tensor_parallel_size * pipeline_parallel_size == 1:
+        return load_model(checkpoint).eval().to(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    if device == "cuda":
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    return load_parallel_model(checkpoint, tensor_parallel_size, pipeline_parallel_size, device)
 
 
 def load_parallel_model(

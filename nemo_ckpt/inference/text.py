@@ -95,11 +95,13 @@ def generate_text(
     prompts: list[str],
     params: SamplingParams,
     chat: bool = False,
-    stream: TextIO | None = None,
+    stream: bool = False,
+    out: TextIO | None = None,
 ) -> list[str]:
     """The text generated after each prompt, cut at `params.stop_strings`. With `stream`, the prompts go one at
-    a time, their text written to it as it is produced (a line `[i] <prompt>` before each, a newline after);
-    without, in one batch (the same text: each row generates what it would alone)."""
+    a time, their text written to `out` (where given) as it is produced (a line `[i] <prompt>` before each, a
+    newline after); without, in one batch (the same text: each row generates what it would alone)."""
+    out = out if stream else None
     if not prompts:
         raise ValueError("prompts=[]: give at least one prompt")
     ids = encode_prompts(tokenizer, prompts, chat)
@@ -109,18 +111,18 @@ def generate_text(
 
         def on_token(row: int, token: int, streams: list[TextStream] = streams) -> bool:
             new = streams[row].push(token)
-            if stream is not None and new:
-                stream.write(new)
-                stream.flush()
+            if out is not None and new:
+                out.write(new)
+                out.flush()
             return streams[row].stopped
 
-        if stream is not None:
-            stream.write(f"[{batch[0]}] {prompts[batch[0]]}\n")
+        if out is not None:
+            out.write(f"[{batch[0]}] {prompts[batch[0]]}\n")
         generate_tokens(model, [ids[row] for row in batch], params, on_token=on_token)
         for text_stream in streams:
             rest = text_stream.flush()
-            if stream is not None:
-                stream.write(rest + "\n")
-                stream.flush()
+            if out is not None:
+                out.write(rest + "\n")
+                out.flush()
             texts.append(text_stream.text)
     return texts
