@@ -66,11 +66,14 @@ def generate_tokens(
     prompts: list[list[int]],
     params: SamplingParams,
     on_token: OnToken | None = None,
+    compiled: bool = False,
 ) -> list[list[int]]:
     """The new token ids of each prompt (token ids), generated with `params`; a stop token ends its row and is
     not included. `on_token(row, token)` sees every token kept as it is produced (streaming) and may end the row
     by returning True (that token stays included). `model`: a `GPT` or a `GPTModel`, whole or this rank's part
-    (`load_parallel_model`; every rank then calls this with the same prompts and parameters)."""
+    (`load_parallel_model`; every rank then calls this with the same prompts and parameters). `compiled`: decode
+    steps through `torch.compile` (dynamic shapes: one graph for every cache length; the GPU path, where it
+    saves kernel launches and Python time per token; the first steps compile)."""
     gpt, forward = model_forward(model)
     check_prompts(prompts, params, gpt)
     device = next(gpt.parameters()).device
@@ -87,6 +90,7 @@ def generate_tokens(
     stops = set(params.stop_token_ids)
     outputs: list[list[int]] = [[] for _ in range(batch)]
     running = [True] * batch
+    decode = torch.compile(forward, dynamic=True) if compiled else forward
     logits = forward(tokens, positions, cache)
     next_positions = positions[..., -1:] + 1
     for step in range(params.max_new_tokens):
@@ -102,6 +106,6 @@ def generate_tokens(
                 running[row] = False
         if not any(running) or step + 1 == params.max_new_tokens:
             break
-        logits = forward(chosen.unsqueeze(-1), next_positions, cache)
+        logits = decode(chosen.unsqueeze(-1), next_positions, cache)
         next_positions = next_positions + 1
     return outputs
