@@ -2,6 +2,7 @@
 which also describes the `<!-- snippet: ... -->` markers), one test per block in document order
 (`README.md:LINE-bash`), and leaves behind what the documentation says (`CLAIMS`)."""
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +46,15 @@ def daily_loop_extends_the_finished_run(directory: Path, output: str) -> None:
     assert re.search(r"resuming from runs/tiny/checkpoints/\S+step=10 at step 10, consumed_samples 80", output), output
 
 
+def daily_loop_generates_and_scores(directory: Path, output: str) -> None:
+    for prompt in ("echo abcde", "echo hhhhh"):
+        assert re.search(rf"^\[\d\] {prompt}$", output, re.M), output[-3000:]
+    scores = re.findall(r"^  loss (\d+\.\d+), perplexity (\d+\.\d+) \(([\d,]+) tokens", output, re.M)
+    assert len(scores) == 3, output[-3000:]
+    for loss, perplexity, _ in scores:
+        assert abs(math.exp(float(loss)) - float(perplexity)) < 1e-3 * float(perplexity)
+
+
 @dataclass(frozen=True)
 class Claim:
     """What the documentation says a block leaves behind, checked after the block that contains `text`."""
@@ -60,6 +70,7 @@ CLAIMS = (
         "python -m nemo_ckpt runs nemo_experiments && python -m nemo_ckpt plot", runs_lists_both_versions_and_plots_them
     ),
     Claim("tokenizer='tok')\" trainer.max_steps=15 run.executor=local --yes", daily_loop_extends_the_finished_run),
+    Claim("data=$PWD/data/corpus_text_document", daily_loop_generates_and_scores),
     Claim(
         "model.config.num_layers=4 run.executor=local run.executor.ntasks_per_node=2 --dryrun",
         dryrun_prints_config_and_runs_nothing,
